@@ -1,0 +1,1 @@
+"""Sharing-ratio presets (``presets/*.yaml``) and calibrated heavy channels (``channels/*.json``)."""

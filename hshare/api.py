@@ -1,0 +1,147 @@
+"""``hshare.patch(model)``, ``hshare.unpatch(model)`` and ``with hshare.patched(model):``.
+
+Patching (transformers 5.x attention interface, no forward replacement):
+1. registers the attention function ``"hshare"`` and its mask function (transformers' own
+   ``sdpa_mask``: without it the mask would silently be None and padding ignored);
+2. switches the model to it with ``set_attn_implementation`` (the previous one is restored by
+   `unpatch`);
+3. adds a forward pre-hook on each attention module that hands the layer the generation's
+   `HShareCache` (``past_key_values`` is not among the attention function's kwargs);
+4. wraps the instance's ``generate`` so that every call gets a fresh `HShareCache` (unless the
+   caller passes a cache), which holds all state of that generation.
+Plain forward calls (no `HShareCache`) stay exact dense attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from hshare.attention import ATTENTION_NAME, hshare_attention
+from hshare.cache import HShareCache
+from hshare.channels import ChannelCalibration, resolve_calibration
+from hshare.config import HShareConfig, resolve_config
+from hshare.patches import adapter_for
+
+_STATE_ATTR = "_hshare_patch"
+
+
+@dataclass
+class PatchState:
+    """What `patch` changed on a model, so that `unpatch` can undo it."""
+
+    config: HShareConfig
+    calibration: ChannelCalibration | None
+    previous_attn_implementation: str | None
+    hooks: list[Any]
+    had_instance_generate: bool
+
+
+def _register() -> None:
+    AttentionInterface.register(ATTENTION_NAME, hshare_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def _hand_over_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, HShareCache):
+        kwargs["hshare_cache"] = cache
+    return args, kwargs
+
+
+def new_cache(model) -> HShareCache:
+    """A fresh `HShareCache` for a patched model (what each ``generate`` call gets)."""
+    state = patch_state(model)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not patched; call hshare.patch(model) first")
+    return HShareCache(state.config, model.config, state.calibration)
+
+
+def patch_state(model) -> PatchState | None:
+    return model.__dict__.get(_STATE_ATTR)
+
+
+def _wrap_generate(model) -> None:
+    original = type(model).generate.__get__(model)
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        wants_cache = kwargs.get("use_cache", True) is not False
+        implementation = kwargs.get("cache_implementation") or getattr(model.generation_config,
+                                                                       "cache_implementation", None)
+        if kwargs.get("past_key_values") is None and wants_cache and implementation is None:
+            kwargs["past_key_values"] = new_cache(model)
+        return original(*args, **kwargs)
+
+    model.generate = generate
+
+
+def patch(model, config: HShareConfig | str | os.PathLike | None = None, **overrides: Any):
+    """Make `model` decode with HShare (and shared-prefix attention).
+
+    Args:
+        model: a transformers Llama or Mistral causal LM.
+        config: an `HShareConfig`, a preset name (``hshare.preset_names()``), or a YAML path;
+            default ``"hshare-1_2-1_2-1_2"``.
+        **overrides: `HShareConfig` fields replacing the config's (``heavy=432, sink=16``).
+
+    Returns:
+        The same model, patched in place. Patching a patched model replaces its config.
+    """
+    adapter = adapter_for(model)
+    config = resolve_config(config, **overrides)
+    model_config = model.config
+    config.validate_for_model(model_config.num_hidden_layers, adapter.head_dim(model_config))
+    calibration = resolve_calibration(config.heavy_channels, model_config) if config.sparse else None
+
+    state = patch_state(model)
+    if state is not None:  # patched already: swap the config, keep hooks and wrappers
+        state.config, state.calibration = config, calibration
+        return model
+
+    _register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    hooks = [m.register_forward_pre_hook(_hand_over_cache, with_kwargs=True) for m in adapter.attention_modules(model)]
+    had_instance_generate = "generate" in model.__dict__
+    model.__dict__[_STATE_ATTR] = PatchState(config, calibration, previous, hooks, had_instance_generate)
+    if not had_instance_generate:
+        _wrap_generate(model)
+    return model
+
+
+def unpatch(model):
+    """Undo `patch`: previous attention implementation, no hooks, the class's ``generate``."""
+    state = patch_state(model)
+    if state is None:
+        return model
+    for hook in state.hooks:
+        hook.remove()
+    if not state.had_instance_generate:
+        model.__dict__.pop("generate", None)
+    if state.previous_attn_implementation is not None:
+        model.set_attn_implementation(state.previous_attn_implementation)
+    del model.__dict__[_STATE_ATTR]
+    return model
+
+
+@contextlib.contextmanager
+def patched(model, config: HShareConfig | str | os.PathLike | None = None, **overrides: Any) -> Iterator[Any]:
+    """``with hshare.patched(model, "ds"):`` patches for the block and restores the model after."""
+    was = patch_state(model)
+    previous_config = was.config if was is not None else None
+    patch(model, config, **overrides)
+    try:
+        yield model
+    finally:
+        if was is None:
+            unpatch(model)
+        else:
+            patch(model, previous_config)

@@ -1,0 +1,170 @@
+"""The attention function registered as ``"hshare"`` with transformers' `AttentionInterface`.
+
+* No `HShareCache` (a plain forward, lm-eval loglikelihood, a user's own cache): exact SDPA.
+* Prefill (q_len > 1, or the first token): exact SDPA; sparse layers build their label cache and,
+  when layers or heads share, record the planner's evidence (keep-sets of the last query rows).
+* Decode (q_len == 1): the first layer opens the step (row windows, plan at the first step,
+  whether this step starts a query group). Dense layers, and steps where every row is within the
+  budget, run exact SDPA. Sparse layers append the new token's label; at selection steps the
+  layer's source heads score the middle window on labels and take the top-k, copying heads and
+  layers reuse their source's columns; then gather-attention over sink + heavy + local.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from hshare.cache import HShareCache, HShareLayer
+from hshare.channels import dynamic_channels
+from hshare.kernels import gather_attention
+from hshare.labels import LabelCache
+from hshare.planner import head_similarity, layer_overlaps
+from hshare.selection import NO_TOKEN, select_heavy, valid_columns_from_mask
+
+ATTENTION_NAME = "hshare"
+
+
+def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     hshare_cache: HShareCache | None = None, **kwargs):
+    """Attention with transformers' calling convention.
+
+    Args:
+        query: ``[B, Hq, T, d]``; key, value: ``[B, Hkv, n, d]`` (the whole cache after update).
+        attention_mask: bool ``[B, 1, T, n]`` or None (see transformers' ``sdpa_mask``).
+        hshare_cache: handed over by the forward pre-hook `hshare.api` installs.
+
+    Returns:
+        ``(out [B, T, Hq, d], None)``.
+    """
+    cache = hshare_cache
+    if not isinstance(cache, HShareCache) or module.training:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    layer_idx = module.layer_idx
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    scaling = module.scaling if scaling is None else scaling
+    decoding = q_len == 1 and kv_len > 1
+
+    if not decoding:
+        if layer_idx == 0:
+            cache.begin_prefill()
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)
+        if cache.is_sparse_layer(layer_idx):
+            valid = valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0]
+            _prefill_labels_and_evidence(cache, layer_idx, query, key, valid)
+        return out
+
+    if layer_idx == 0:
+        cache.begin_decode_step(valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0])
+    if not cache.is_sparse_layer(layer_idx):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    layer = cache.layers[layer_idx]
+    layer.labels.append(key[:, :, layer.labels.length:])
+    windows = cache.state.windows
+    if windows.all_short:  # every row fits the budget: exact dense attention
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if cache.state.selecting:
+        layer.heavy = _select_heavy_columns(cache, layer_idx, query)
+    elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
+        layer.heavy = torch.full((batch, cache.sel_heads, cache.config.heavy), NO_TOKEN, dtype=torch.long,
+                                 device=query.device)
+    indices = windows.critical_indices(layer.heavy)
+    out, _ = gather_attention(query[:, :, 0], key, value, indices, scaling)
+    return out[:, None], None
+
+
+def _prefill_labels_and_evidence(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                                 valid: torch.Tensor) -> None:
+    """Label cache of the new keys and, for a greedy plan, this layer's keep-sets.
+
+    Args:
+        query: ``[B, Hq, T, d]`` prefill queries; key: ``[B, Hkv, n, d]`` all cached keys.
+        valid: ``[B, n]`` key validity of the last query row.
+    """
+    config = cache.config
+    layer: HShareLayer = cache.layers[layer_idx]
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    if layer.labels is None:
+        if cache.calibration is not None:
+            channels = cache.calibration.channels(layer_idx, cache.kv_heads, config.selection, config.label_channels)
+            channels = channels.to(query.device)
+        else:
+            channels = dynamic_channels(query, key[:, :, kv_len - q_len:], valid[:, kv_len - q_len:],
+                                        config.selection, config.label_channels)
+        layer.labels = LabelCache(channels, config.label_bits, cache.kv_heads)
+    layer.labels.append(key[:, :, layer.labels.length:])
+    if not cache.collects_evidence:
+        return
+
+    rows = min(config.plan_rows, q_len)
+    # keys each evidence row sees: the row's valid keys, causally (a left-pad row sees none)
+    row_column = torch.arange(kv_len - rows, kv_len, device=query.device)[:, None]
+    causal = torch.arange(kv_len, device=query.device)[None, :] <= row_column
+    row_valid = valid[:, None, :] & causal[None] & valid[:, kv_len - rows:, None]  # [B, W, n]
+    n_valid = row_valid.sum(-1, keepdim=True)
+    rank = row_valid.long().cumsum(-1) - 1
+    middle = row_valid & (rank >= config.sink) & (rank < n_valid - config.local)
+    scores = layer.labels.scores(layer.labels.query_labels(query[:, :, q_len - rows:]))  # [B, H_sel, W, n]
+    keep = select_heavy(scores, middle[:, None], config.heavy)
+    if config.head_sharing < 1:
+        cache.state.head_similarity[layer_idx] = head_similarity(keep, kv_len)
+    if config.layer_sharing < 1:
+        cache.state.layer_similarity[layer_idx] = layer_overlaps(keep, cache.earlier_keep_sets(layer_idx), kv_len)
+        layer.keep = keep
+
+
+def _select_heavy_columns(cache: HShareCache, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
+    """Heavy columns ``[B, H_sel, heavy]`` of one layer at a selection step.
+
+    Only the rows for which this layer is a source, and only its source heads, compute label
+    scores; copying heads take their source head's columns, copying layers their source layer's.
+    """
+    cache_state, config = cache.state, cache.config
+    layer = cache.layers[layer_idx]
+    share = cache_state.shares[layer_idx]
+    batch = query.shape[0]
+    heavy = None
+    rows = share.select_rows
+    if rows is None or len(rows):
+        query_labels = layer.labels.query_labels(query)[:, :, 0]  # [B, H_sel, r]
+        middle = cache_state.windows.middle
+        source_heads, head_slot = share.source_heads, share.head_slot
+        if rows is not None:
+            query_labels, middle = query_labels.index_select(0, rows), middle.index_select(0, rows)
+            if source_heads.shape[0] > 1:
+                source_heads, head_slot = source_heads.index_select(0, rows), head_slot.index_select(0, rows)
+        count = query_labels.shape[0]
+        if share.all_heads:
+            heads = None
+        else:
+            heads = source_heads
+            picks = source_heads.expand(count, -1)[..., None].expand(-1, -1, query_labels.shape[-1])
+            query_labels = query_labels.gather(1, picks)
+        scores = layer.labels.scores(query_labels[:, :, None], rows=rows, heads=heads)[:, :, 0]  # [B', n_src, n]
+        chosen = select_heavy(scores, middle[:, None], config.heavy)
+        cache.stats.score_computations += count * scores.shape[1]
+        if not share.all_heads:
+            slots = head_slot.expand(count, -1)[..., None].expand(-1, -1, config.heavy)
+            chosen = chosen.gather(1, slots)
+        if rows is None:
+            heavy = chosen
+        else:
+            heavy = torch.full((batch, cache.sel_heads, config.heavy), NO_TOKEN, dtype=torch.long,
+                               device=query.device)
+            heavy[rows] = chosen
+    for source_layer, copy_rows in share.copy_groups:
+        source = cache.layers[source_layer].heavy
+        if copy_rows is None:
+            heavy = source
+        else:
+            if heavy is None:
+                heavy = torch.full_like(source, NO_TOKEN)
+            heavy[copy_rows] = source[copy_rows]
+    return heavy

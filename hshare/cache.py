@@ -1,0 +1,311 @@
+"""The per-`generate` cache: KV, labels, sharing plan, selections and counters (all state).
+
+A fresh `HShareCache` is made for every ``generate`` call (`hshare.api` injects it), so batch
+size, prompts and lengths may change freely between calls and nothing leaks. It is a transformers
+`Cache` (generate, beams and pipelines use it as any other cache); its layers keep the whole KV
+in growable buffers (no per-step ``torch.cat``). Sliding-window models keep full KV: the window is
+enforced by the attention mask, so the sparse path never attends outside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from hshare.buffer import GrowingBuffer
+from hshare.channels import ChannelCalibration
+from hshare.config import HShareConfig
+from hshare.labels import LabelCache
+from hshare.planner import SharingPlan, build_plan, identity_plan
+from hshare.selection import RowWindows
+
+
+class HShareLayer(CacheLayerMixin):
+    """One layer's KV (``[B, Hkv, n, d]`` views of growable buffers) and sparse-decode state.
+
+    Attributes:
+        labels: the layer's `LabelCache` (sparse layers, after prefill).
+        heavy: ``[B, H_sel, heavy]`` heavy columns of the last selection (query groups reuse them).
+        keep: ``[B, H_sel, W, heavy]`` prefill keep-sets, the planner's evidence (until planned).
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._keys = GrowingBuffer()
+        self._values = GrowingBuffer()
+        self.labels: LabelCache | None = None
+        self.heavy: torch.Tensor | None = None
+        self.keep: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = self._keys.append(key_states)
+        self.values = self._values.append(value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._keys.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Reorder / select / repeat batch rows of everything this layer holds."""
+        self._keys.select_rows(rows)
+        self._values.select_rows(rows)
+        self.keys, self.values = self._keys.view(), self._values.view()
+        if self.labels is not None:
+            self.labels.select_rows(rows)
+        if self.heavy is not None:
+            self.heavy = self.heavy.index_select(0, rows.to(self.heavy.device))
+        self.keep = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.get_seq_length():
+            self.select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length():
+            self.select_rows(torch.as_tensor(indices, device=self.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.get_seq_length():
+            rows = torch.arange(self._keys.storage.shape[0], device=self.device).repeat_interleave(repeats)
+            self.select_rows(rows)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): accepted: a negative number of tokens to remove")
+        length = max(0, self.get_seq_length() + tokens_to_remove)
+        self._keys.crop(length)
+        self._values.crop(length)
+        self.keys, self.values = self._keys.view(), self._values.view()
+        if self.labels is not None:
+            self.labels.crop(length)
+        self.heavy = None  # selections may point past the cropped end: select again
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def kv_bytes(self) -> int:
+        return self._keys.nbytes() + self._values.nbytes()
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one generation (what sharing saves is visible here).
+
+    Attributes:
+        decode_steps: decode forward passes.
+        sparse_steps: decode steps where at least one row attended sparsely.
+        selection_steps: decode steps that (re)selected critical tokens (query groups).
+        score_computations: (row, layer, selection head) triples whose label scores were computed.
+        plans: sharing plans built (one per generate when layers or heads share).
+    """
+
+    decode_steps: int = 0
+    sparse_steps: int = 0
+    selection_steps: int = 0
+    score_computations: int = 0
+    plans: int = 0
+
+
+@dataclass
+class LayerShare:
+    """The compiled plan of one sparse layer at selection steps (host-side, built once).
+
+    Attributes:
+        select_rows: rows for which this layer selects (None = all rows; empty = none).
+        copy_groups: ``(source layer, rows or None = all)`` whose heavy columns this layer copies.
+        source_heads: ``[P, n_src]`` selection heads that compute scores.
+        head_slot: ``[P, H_sel]`` position in `source_heads` of each head's source.
+    """
+
+    select_rows: torch.Tensor | None
+    copy_groups: list[tuple[int, torch.Tensor | None]]
+    source_heads: torch.Tensor
+    head_slot: torch.Tensor
+    all_heads: bool
+
+
+@dataclass
+class DecodeState:
+    """Step-level state shared by all layers."""
+
+    step: int = 0
+    last_selection: int | None = None
+    selecting: bool = False
+    windows: RowWindows | None = None
+    plan: SharingPlan | None = None
+    shares: dict[int, LayerShare] = field(default_factory=dict)
+    head_similarity: dict[int, torch.Tensor] = field(default_factory=dict)
+    layer_similarity: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class HShareCache(Cache):
+    """All state of one generation: KV, labels, plan, selections, counters.
+
+    Args:
+        config: the validated `HShareConfig`.
+        model_config: the model's transformers config.
+        calibration: heavy channels from a calibration file, or None (dynamic per row).
+    """
+
+    def __init__(self, config: HShareConfig, model_config, calibration: ChannelCalibration | None = None) -> None:
+        self.num_layers = model_config.num_hidden_layers
+        super().__init__(layers=[HShareLayer() for _ in range(self.num_layers)])
+        self.config = config
+        self.calibration = calibration
+        self.q_heads = model_config.num_attention_heads
+        self.kv_heads = model_config.num_key_value_heads
+        self.sel_heads = self.kv_heads if config.selection == "kv_head" else self.q_heads
+        dense = set(config.dense_layers)
+        self.sparse_layers = [i for i in range(self.num_layers) if i not in dense] if config.sparse else []
+        self._sparse = set(self.sparse_layers)
+        self.state = DecodeState()
+        self.stats = DecodeStats()
+
+    # ---- layer roles --------------------------------------------------------------------
+    def is_sparse_layer(self, layer: int) -> bool:
+        return layer in self._sparse
+
+    @property
+    def collects_evidence(self) -> bool:
+        """Whether prefill records keep-sets (only when a greedy plan will use them)."""
+        return bool(self.sparse_layers) and self.config.shares_layers_or_heads and self.config.planner == "greedy"
+
+    def earlier_keep_sets(self, layer: int) -> list[torch.Tensor]:
+        return [self.layers[i].keep for i in self.sparse_layers if i < layer and self.layers[i].keep is not None]
+
+    # ---- steps --------------------------------------------------------------------------
+    def begin_prefill(self) -> None:
+        """A prefill forward (q_len > 1) invalidates the plan and selections of earlier steps."""
+        self.state.plan = None
+        self.state.shares = {}
+        self.state.last_selection = None
+        for layer in self.layers:
+            layer.heavy = None
+
+    def begin_decode_step(self, valid: torch.Tensor) -> None:
+        """Called once per decode forward (first layer): row windows, plan, selection due.
+
+        Args:
+            valid: ``[B, n]`` key validity of the decode query.
+        """
+        state, config = self.state, self.config
+        state.step += 1
+        self.stats.decode_steps += 1
+        if not self.sparse_layers:
+            state.windows, state.selecting = None, False
+            return
+        state.windows = RowWindows.build(valid, config.sink, config.local, config.budget)
+        if state.windows.all_short:
+            state.selecting = False
+            return
+        self.stats.sparse_steps += 1
+        if state.plan is None:
+            self._plan(batch=valid.shape[0], device=valid.device)
+        due = state.last_selection is None or state.step - state.last_selection >= config.query_group
+        state.selecting = bool(due and config.heavy > 0)
+        if due:
+            state.last_selection = state.step
+            self.stats.selection_steps += int(config.heavy > 0)
+
+    # ---- the plan -----------------------------------------------------------------------
+    def _plan(self, batch: int, device: torch.device) -> None:
+        config, state = self.config, self.state
+        if not config.shares_layers_or_heads:
+            plan = identity_plan(self.num_layers, self.sel_heads, device)
+        else:
+            generator = torch.Generator().manual_seed(config.seed) if config.planner == "random" else None
+            plan = build_plan(
+                state.head_similarity, state.layer_similarity, self.sparse_layers, self.num_layers, self.sel_heads,
+                config.layer_sharing, config.head_sharing, config.plan_scope == "sample", batch, device, generator,
+            )
+            self.stats.plans += 1
+        state.head_similarity, state.layer_similarity = {}, {}
+        for layer in self.layers:
+            layer.keep = None
+        self._compile_plan(plan)
+
+    def _compile_plan(self, plan: SharingPlan) -> None:
+        """Turn the plan into per-layer row and head lists (one host sync per generate)."""
+        state = self.state
+        state.plan = plan
+        layer_source = plan.layer_source.cpu()
+        head_source = plan.head_source.cpu()
+        device = plan.layer_source.device
+        heads = torch.arange(self.sel_heads)
+        shares = {}
+        for layer in self.sparse_layers:
+            sources = layer_source[:, layer]  # [P]
+            if plan.per_sample:
+                mine = (sources == layer).nonzero().flatten()
+                select_rows = mine.to(device) if len(mine) < len(sources) else None
+                copy_groups = [
+                    (int(src), (sources == src).nonzero().flatten().to(device))
+                    for src in sources.unique().tolist() if src != layer
+                ]
+            else:
+                own = int(sources[0]) == layer
+                select_rows = None if own else torch.zeros(0, dtype=torch.long, device=device)
+                copy_groups = [] if own else [(int(sources[0]), None)]
+            head_src = head_source[layer]  # [P, H]
+            is_source = head_src == heads  # [P, H]
+            source_heads = heads.expand_as(head_src)[is_source].reshape(len(head_src), -1)  # same count per row
+            slot = torch.searchsorted(source_heads.contiguous(), head_src.contiguous())
+            shares[layer] = LayerShare(
+                select_rows=select_rows,
+                copy_groups=copy_groups,
+                source_heads=source_heads.to(device),
+                head_slot=slot.to(device),
+                all_heads=bool(is_source.all()),
+            )
+        state.shares = shares
+
+    # ---- transformers Cache API -------------------------------------------------------
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.select_rows(rows)
+        if self.state.plan is not None and self.state.plan.per_sample:
+            self._compile_plan(self.state.plan.select_rows(rows.to(self.state.plan.layer_source.device)))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.get_seq_length():
+            self._select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length():
+            self._select_rows(torch.as_tensor(indices, device=self.layers[0].device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.get_seq_length():
+            batch = self.layers[0]._keys.storage.shape[0]
+            self._select_rows(torch.arange(batch, device=self.layers[0].device).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.state.last_selection = None
+
+    # ---- accounting ---------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes of keys and values held (stored tokens only)."""
+        return sum(layer.kv_bytes() for layer in self.layers)
+
+    def label_bytes(self) -> int:
+        """Bytes of the label caches (codes, scales, zeros)."""
+        return sum(layer.labels.nbytes() for layer in self.layers if layer.labels is not None)

@@ -1,0 +1,251 @@
+"""`HShareConfig`: what to keep at each decode step and how selections are shared.
+
+Vocabulary of the HShare paper (Wu et al., ICLR 2025, section 4):
+
+* critical tokens N_c = ``sink`` (first valid tokens) + ``local`` (most recent tokens, the current one
+  included) + ``heavy`` (top scorers of the middle window ``[sink, n - local)``);
+* approximate scores are computed on *labels*: ``label_channels`` heavy channels of every cached
+  key, quantized to ``label_bits`` (DoubleSparse);
+* sharing ratios a-b-c (section 4.2, eq. 4): ``layer_sharing`` = 1 - k_l / n_l,
+  ``head_sharing`` = 1 - k_h / n_h, ``query_sharing`` = 1 / query group size (reselect every
+  ``query_group`` decode steps).
+
+Presets live in ``configs/presets/*.yaml``; ``HShareConfig.from_preset("hshare-1_2-1_2-1_2")``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from fractions import Fraction
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SELECTION_GRANULARITIES = ("kv_head", "query_head")
+PLAN_SCOPES = ("batch", "sample")
+PLANNERS = ("greedy", "random")
+LABEL_BITS = (4, 8, 16)
+PREFIX_MODES = ("auto", "off")
+
+
+class ConfigError(ValueError):
+    """An invalid `HShareConfig` value; the message names the field and the accepted values."""
+
+
+def _ratio(name: str, value: Any) -> float:
+    """Parse a sharing ratio given as a number or a fraction string ("3/4")."""
+    if isinstance(value, str):
+        try:
+            value = float(Fraction(value.strip()))
+        except (ValueError, ZeroDivisionError):
+            raise ConfigError(f"HShareConfig.{name} = {value!r} is not a number; accepted: a ratio in (0, 1] such as 0.5 or '1/2'")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"HShareConfig.{name} = {value!r} has type {type(value).__name__}; accepted: a ratio in (0, 1]")
+    value = float(value)
+    if not (0.0 < value <= 1.0) or math.isnan(value):
+        raise ConfigError(f"HShareConfig.{name} = {value} is out of range; accepted: a ratio in (0, 1]")
+    return value
+
+
+def _int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"HShareConfig.{name} = {value!r} has type {type(value).__name__}; accepted: an integer >= {low}")
+    if value < low or (high is not None and value > high):
+        accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"HShareConfig.{name} = {value} is out of range; accepted: an integer {accepted}")
+    return value
+
+
+def _choice(name: str, value: Any, accepted: tuple) -> Any:
+    if value not in accepted:
+        raise ConfigError(f"HShareConfig.{name} = {value!r} is invalid; accepted: {', '.join(map(repr, accepted))}")
+    return value
+
+
+@dataclass
+class HShareConfig:
+    """Validated configuration of HShare sparse decoding and shared-prefix attention.
+
+    Attributes:
+        sparse: False = exact dense attention at every step (the ``dense`` preset).
+        sink: number of first valid tokens always kept (x in the paper).
+        local: number of most recent tokens always kept, current token included (y); >= 1.
+        heavy: number of top-scoring middle-window tokens kept (z). N_c = sink + local + heavy.
+        label_channels: heavy channels r of each key kept in the label cache (<= head_dim).
+        label_bits: 4 (packed two per byte), 8, or 16 bits per label channel.
+        layer_sharing: a in a-b-c; round(a * n_layers) layers select, the rest copy an earlier one.
+        head_sharing: b; round(b * n_heads) heads of each layer select, the rest copy.
+        query_sharing: c = 1 / query group; selection is redone every 1/c decode steps.
+        dense_layers: layers kept dense at decode (not sparse, not in the layer plan).
+        selection: "kv_head" (one selection per KV head, read once by its g query heads) or
+            "query_head" (one per query head, as the paper's code). Same for MHA.
+        plan_scope: "batch" (one plan for the batch, the paper's statement) or "sample".
+        planner: "greedy" (Algorithm 1) or "random" (the paper's ablation, same ratios).
+        plan_rows: last prefill query rows whose keep-sets are the planner's evidence.
+        heavy_channels: "auto" (the calibrated file for the model in configs/channels if one
+            exists, else dynamic), "dynamic" (chosen per row from the prompt's |q_c * k_c|), or a
+            path to a calibration JSON written by ``hshare calibrate``.
+        prefix: "auto" (shared-prefix attention when rows share a long enough prefix) or "off".
+        seed: seed of the random planner.
+    """
+
+    sparse: bool = True
+    sink: int = 8
+    local: int = 32
+    heavy: int = 88
+    label_channels: int = 16
+    label_bits: int = 4
+    layer_sharing: float = 1.0
+    head_sharing: float = 1.0
+    query_sharing: float = 1.0
+    dense_layers: tuple[int, ...] = ()
+    selection: str = "kv_head"
+    plan_scope: str = "batch"
+    planner: str = "greedy"
+    plan_rows: int = 4
+    heavy_channels: str = "auto"
+    prefix: str = "auto"
+    seed: int = 0
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sparse, bool):
+            raise ConfigError(f"HShareConfig.sparse = {self.sparse!r} is invalid; accepted: true or false")
+        self.sink = _int("sink", self.sink, 0)
+        self.local = _int("local", self.local, 1)
+        self.heavy = _int("heavy", self.heavy, 0)
+        self.label_channels = _int("label_channels", self.label_channels, 1, 1024)
+        self.label_bits = _choice("label_bits", self.label_bits, LABEL_BITS)
+        if self.label_bits == 4 and self.label_channels % 2:
+            raise ConfigError(
+                f"HShareConfig.label_channels = {self.label_channels} is odd; accepted with label_bits = 4: an even "
+                "number (two 4-bit labels are packed per byte)"
+            )
+        self.layer_sharing = _ratio("layer_sharing", self.layer_sharing)
+        self.head_sharing = _ratio("head_sharing", self.head_sharing)
+        self.query_sharing = _ratio("query_sharing", self.query_sharing)
+        group = 1.0 / self.query_sharing
+        if abs(group - round(group)) > 1e-6:
+            raise ConfigError(
+                f"HShareConfig.query_sharing = {self.query_sharing} is not 1/a for a whole number a; accepted: 1, 1/2, "
+                "1/3, ... (a query group of a steps shares one selection)"
+            )
+        if isinstance(self.dense_layers, (list, tuple)):
+            self.dense_layers = tuple(_int("dense_layers[]", i, 0) for i in self.dense_layers)
+        else:
+            raise ConfigError(f"HShareConfig.dense_layers = {self.dense_layers!r} is invalid; accepted: a list of layer indices")
+        if len(set(self.dense_layers)) != len(self.dense_layers):
+            raise ConfigError(f"HShareConfig.dense_layers = {list(self.dense_layers)} repeats a layer; accepted: distinct indices")
+        self.selection = _choice("selection", self.selection, SELECTION_GRANULARITIES)
+        self.plan_scope = _choice("plan_scope", self.plan_scope, PLAN_SCOPES)
+        self.planner = _choice("planner", self.planner, PLANNERS)
+        self.plan_rows = _int("plan_rows", self.plan_rows, 1, 256)
+        if not isinstance(self.heavy_channels, (str, os.PathLike)):
+            raise ConfigError(
+                f"HShareConfig.heavy_channels = {self.heavy_channels!r} is invalid; accepted: 'auto', 'dynamic' or a "
+                "path to a calibration JSON"
+            )
+        self.heavy_channels = str(self.heavy_channels)
+        if self.heavy_channels not in ("auto", "dynamic") and not Path(self.heavy_channels).is_file():
+            raise ConfigError(
+                f"HShareConfig.heavy_channels = {self.heavy_channels!r} is neither 'auto', 'dynamic' nor an existing "
+                "calibration file"
+            )
+        self.prefix = _choice("prefix", self.prefix, PREFIX_MODES)
+        self.seed = _int("seed", self.seed, 0)
+
+    # ---- derived quantities -------------------------------------------------------------
+    @property
+    def budget(self) -> int:
+        """N_c: critical tokens attended per selection head at each sparse decode step."""
+        return self.sink + self.local + self.heavy
+
+    @property
+    def query_group(self) -> int:
+        """a: decode steps that share one selection."""
+        return int(round(1.0 / self.query_sharing))
+
+    @property
+    def shares_layers_or_heads(self) -> bool:
+        return self.layer_sharing < 1.0 or self.head_sharing < 1.0
+
+    def validate_for_model(self, num_layers: int, head_dim: int) -> None:
+        """Checks that need the model's shape; raises `ConfigError` naming the field."""
+        bad = [i for i in self.dense_layers if i >= num_layers]
+        if bad:
+            raise ConfigError(
+                f"HShareConfig.dense_layers = {list(self.dense_layers)} names layer(s) {bad} but the model has "
+                f"{num_layers} layers; accepted: indices in [0, {num_layers - 1}]"
+            )
+        if self.sparse and self.label_channels > head_dim:
+            raise ConfigError(
+                f"HShareConfig.label_channels = {self.label_channels} exceeds the model's head_dim {head_dim}; "
+                f"accepted: 1..{head_dim}"
+            )
+
+    def replace(self, **changes: Any) -> "HShareConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- loading ------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], name: str = "custom") -> "HShareConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown HShareConfig field(s) {unknown}; accepted fields: {sorted(known - {'name'})}")
+        data = dict(data)
+        if "dense_layers" in data and isinstance(data["dense_layers"], list):
+            data["dense_layers"] = tuple(data["dense_layers"])
+        data.setdefault("name", name)
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "HShareConfig":
+        path = Path(path)
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} does not hold a mapping of HShareConfig fields")
+        return cls.from_dict(data, name=path.stem)
+
+    @classmethod
+    def from_preset(cls, name: str) -> "HShareConfig":
+        path = preset_dir() / f"{name}.yaml"
+        if not path.is_file():
+            raise ConfigError(f"unknown preset {name!r}; accepted: {', '.join(preset_names())} (or a YAML path)")
+        return cls.from_yaml(path)
+
+
+def preset_dir() -> Path:
+    return Path(str(resources.files("hshare.configs"))) / "presets"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in preset_dir().glob("*.yaml"))
+
+
+def resolve_config(config: "HShareConfig | str | os.PathLike | None", **overrides: Any) -> HShareConfig:
+    """A config object, a preset name, or a YAML path -> `HShareConfig` (with field overrides)."""
+    if config is None:
+        config = "hshare-1_2-1_2-1_2"
+    if isinstance(config, HShareConfig):
+        resolved = config
+    elif isinstance(config, (str, os.PathLike)):
+        text = str(config)
+        if text.endswith((".yaml", ".yml")) or os.sep in text:
+            if not Path(text).is_file():
+                raise ConfigError(f"config file {text!r} does not exist")
+            resolved = HShareConfig.from_yaml(text)
+        else:
+            resolved = HShareConfig.from_preset(text)
+    else:
+        raise ConfigError(
+            f"config = {config!r} has type {type(config).__name__}; accepted: an HShareConfig, a preset name "
+            f"({', '.join(preset_names())}) or a YAML path"
+        )
+    return resolved.replace(**overrides) if overrides else resolved

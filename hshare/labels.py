@@ -1,0 +1,104 @@
+"""The label cache of one layer: quantized heavy channels of every cached key (HShare section 4.2).
+
+Built at prefill from the prompt's keys, appended one token per decode step, and scored against
+the current query's heavy channels for the *source* selection heads only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hshare.buffer import GrowingBuffer
+from hshare.kernels import label_scores, quantize_labels
+
+
+class LabelCache:
+    """Labels ``[B, H_sel, n, r]`` (quantized) of one layer.
+
+    Args:
+        channels: ``[P, H_sel, r]`` heavy channels of each selection head; P = 1 (calibrated, all
+            rows) or B (dynamic, per row).
+        bits: 4, 8 or 16.
+        kv_heads: KV heads of the layer; selection head s reads KV head ``s * Hkv // H_sel``.
+    """
+
+    def __init__(self, channels: torch.Tensor, bits: int, kv_heads: int) -> None:
+        self.channels = channels
+        self.bits = bits
+        self.kv_heads = kv_heads
+        self.codes = GrowingBuffer()
+        self.scale = GrowingBuffer()
+        self.zero = GrowingBuffer()
+
+    @property
+    def sel_heads(self) -> int:
+        return self.channels.shape[1]
+
+    @property
+    def length(self) -> int:
+        return self.codes.length
+
+    def _kv_of_sel(self, device: torch.device) -> torch.Tensor:
+        return torch.arange(self.sel_heads, device=device) * self.kv_heads // self.sel_heads
+
+    def append(self, new_keys: torch.Tensor) -> None:
+        """Quantize and append the labels of new keys ``[B, Hkv, t, d]``."""
+        batch, _, tokens, _ = new_keys.shape
+        keys = new_keys.index_select(1, self._kv_of_sel(new_keys.device))  # [B, H_sel, t, d]
+        channels = self.channels[:, :, None, :].expand(batch, -1, tokens, -1)
+        codes, scale, zero = quantize_labels(keys.gather(-1, channels), self.bits)
+        self.codes.append(codes)
+        if scale is not None:
+            self.scale.append(scale)
+            self.zero.append(zero)
+
+    def query_labels(self, query: torch.Tensor) -> torch.Tensor:
+        """Heavy channels of queries per selection head.
+
+        Args:
+            query: ``[B, Hq, Q, d]``.
+
+        Returns:
+            ``[B, H_sel, Q, r]`` (fp32, fp64 for fp64 queries); per-KV-head selection sums the
+            query labels of the g query heads of a group (their mean approximate logit, up to 1/g).
+        """
+        batch, q_heads, rows, dim = query.shape
+        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+        grouped = query.reshape(batch, self.sel_heads, q_heads // self.sel_heads, rows, dim).to(acc)
+        channels = self.channels[:, :, None, None, :].expand(batch, -1, grouped.shape[2], rows, -1)
+        return grouped.gather(-1, channels).sum(2)
+
+    def scores(self, query_labels: torch.Tensor, rows: torch.Tensor | None = None,
+               heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Approximate logits of every cached token for some rows and selection heads.
+
+        Args:
+            query_labels: ``[B', H', Q, r]`` for the chosen rows and heads.
+            rows: ``[B']`` batch rows (None = all).
+            heads: ``[B' or 1, H']`` selection heads per row (None = all).
+
+        Returns:
+            ``[B', H', Q, n]``.
+        """
+        codes, scale, zero = self.codes.view(), self.scale.view(), self.zero.view()
+        tensors = [codes, scale, zero]
+        if rows is not None:
+            tensors = [None if t is None else t.index_select(0, rows) for t in tensors]
+        if heads is not None:
+            count = tensors[0].shape[0]
+            picks = heads.expand(count, -1)
+            tensors = [None if t is None else t[torch.arange(count, device=t.device)[:, None], picks] for t in tensors]
+        return label_scores(query_labels, tensors[0], tensors[1], tensors[2], self.bits)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        for buffer in (self.codes, self.scale, self.zero):
+            buffer.select_rows(rows)
+        if self.channels.shape[0] > 1:
+            self.channels = self.channels.index_select(0, rows.to(self.channels.device))
+
+    def crop(self, length: int) -> None:
+        for buffer in (self.codes, self.scale, self.zero):
+            buffer.crop(length)
+
+    def nbytes(self) -> int:
+        return self.codes.nbytes() + self.scale.nbytes() + self.zero.nbytes()

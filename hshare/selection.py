@@ -1,0 +1,157 @@
+"""Critical-token selection (HShare section 4.2): sink + heavy (top-k of the middle window) + local.
+
+Columns of the KV cache are not positions: left padding, a shared-prefix gap or a sliding window
+make some columns invalid for a row. Everything here works on a row's *valid* columns, taken from
+the attention mask: the sink is the first ``sink`` valid columns, the local window the last
+``local`` valid columns (the current token included), the middle window everything between. A row
+with no more valid columns than the budget N_c attends to all of them (exact). Index ``-1`` marks
+"no token" and is never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NO_TOKEN = -1
+
+
+def valid_columns_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int, query_rows: int,
+                            device: torch.device) -> torch.Tensor:
+    """Key validity of the last `query_rows` query rows: ``[B, query_rows, kv_len]`` bool.
+
+    `attention_mask` is what transformers hands the attention function: ``None`` (causal at
+    prefill, all keys at decode), a bool ``[B, 1, q, kv]`` (True = attend) or an additive float
+    mask (0 = attend).
+    """
+    if attention_mask is None:
+        q_pos = torch.arange(kv_len - query_rows, kv_len, device=device)[:, None]
+        causal = torch.arange(kv_len, device=device)[None, :] <= q_pos
+        return causal[None].expand(batch, query_rows, kv_len)
+    mask = attention_mask[:, 0, -query_rows:, -kv_len:]
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    return mask.expand(batch, query_rows, kv_len)
+
+
+def nth_valid_columns(valid: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """Column of the r-th valid token of each row (``NO_TOKEN`` where the row has fewer).
+
+    Args:
+        valid: ``[..., n]`` bool.
+        ranks: ``[..., k]`` integer ranks (0 = first valid column); may be negative.
+
+    Returns:
+        ``[..., k]`` int64 columns.
+    """
+    counts = valid.long().cumsum(-1)
+    n_valid = counts[..., -1:]
+    columns = torch.searchsorted(counts, (ranks + 1).clamp(min=1).contiguous())
+    ok = (ranks >= 0) & (ranks < n_valid)
+    return torch.where(ok, columns, torch.full_like(columns, NO_TOKEN))
+
+
+@dataclass
+class RowWindows:
+    """Sink / middle / local geometry of every row at one step (shared by all layers and heads).
+
+    Attributes:
+        valid: ``[B, n]`` key validity.
+        n_valid: ``[B]`` valid keys per row.
+        short: ``[B]`` rows with ``n_valid <= budget``: attended densely.
+        sink: ``[B, sink]`` columns of the first valid tokens (``NO_TOKEN`` if missing).
+        local: ``[B, local]`` columns of the last valid tokens.
+        dense: ``[B, budget]`` the first `budget` valid columns (all of a short row's tokens).
+        middle: ``[B, n]`` bool, the window ``[sink, n_valid - local)`` in valid-token ranks.
+    """
+
+    valid: torch.Tensor
+    n_valid: torch.Tensor
+    short: torch.Tensor
+    sink: torch.Tensor
+    local: torch.Tensor
+    dense: torch.Tensor
+    middle: torch.Tensor
+
+    @classmethod
+    def build(cls, valid: torch.Tensor, sink: int, local: int, budget: int) -> "RowWindows":
+        n_valid = valid.sum(-1)
+        device = valid.device
+        rank = valid.long().cumsum(-1) - 1
+        middle = valid & (rank >= sink) & (rank < (n_valid[:, None] - local))
+        sink_ranks = torch.arange(sink, device=device).expand(valid.shape[0], sink)
+        local_ranks = n_valid[:, None] - local + torch.arange(local, device=device)[None, :]
+        # a row shorter than sink + local: its local window must not repeat sink columns
+        local_ranks = torch.where(local_ranks >= sink, local_ranks, torch.full_like(local_ranks, -1))
+        dense_ranks = torch.arange(budget, device=device).expand(valid.shape[0], budget)
+        return cls(
+            valid=valid,
+            n_valid=n_valid,
+            short=n_valid <= budget,
+            sink=nth_valid_columns(valid, sink_ranks),
+            local=nth_valid_columns(valid, local_ranks),
+            dense=nth_valid_columns(valid, dense_ranks),
+            middle=middle,
+        )
+
+    @property
+    def all_short(self) -> bool:
+        return bool(self.short.all())
+
+    def critical_indices(self, heavy: torch.Tensor) -> torch.Tensor:
+        """Union of sink, heavy and local columns per selection head.
+
+        Args:
+            heavy: ``[B, H, heavy]`` heavy columns (``NO_TOKEN`` allowed), chosen at the last
+                selection step (query groups reuse them; sink and local follow the current step).
+
+        Returns:
+            ``[B, H, N_c]`` int64 columns; short rows get all their valid columns.
+        """
+        batch, heads, _ = heavy.shape
+        # heavy columns of an earlier step that left the middle window (a sliding window moved
+        # past them) are dropped: never attend outside the row's valid keys, never twice
+        still_middle = self.middle[:, None].expand(batch, heads, -1).gather(-1, heavy.clamp(min=0))
+        heavy = torch.where(still_middle & (heavy >= 0), heavy, torch.full_like(heavy, NO_TOKEN))
+        sparse = torch.cat(
+            (self.sink[:, None].expand(batch, heads, -1), heavy, self.local[:, None].expand(batch, heads, -1)), dim=-1
+        )
+        dense = self.dense[:, None].expand(batch, heads, -1)
+        return torch.where(self.short[:, None, None], dense, sparse)
+
+
+def select_heavy(scores: torch.Tensor, middle: torch.Tensor, heavy: int) -> torch.Tensor:
+    """Top-`heavy` columns of the middle window by approximate score.
+
+    Args:
+        scores: ``[B, H, ..., n]`` approximate logits.
+        middle: bool, broadcastable to `scores` (``[B, 1, ..., n]``): the selectable columns.
+        heavy: tokens to keep.
+
+    Returns:
+        ``[B, H, ..., heavy]`` int64 columns, ``NO_TOKEN`` where the window holds fewer tokens.
+    """
+    n = scores.shape[-1]
+    masked = scores.masked_fill(~middle, float("-inf"))
+    take = min(heavy, n)
+    values, columns = masked.topk(take, dim=-1)
+    columns = torch.where(torch.isfinite(values), columns, torch.full_like(columns, NO_TOKEN))
+    if take < heavy:
+        pad = torch.full((*columns.shape[:-1], heavy - take), NO_TOKEN, dtype=columns.dtype, device=columns.device)
+        columns = torch.cat((columns, pad), dim=-1)
+    return columns
+
+
+def prefill_middle_windows(valid_rows: torch.Tensor, sink: int, local: int) -> torch.Tensor:
+    """Middle windows of the last prefill query rows (the planner's evidence).
+
+    Args:
+        valid_rows: ``[B, W, n]`` key validity of W query rows.
+
+    Returns:
+        ``[B, W, n]`` bool.
+    """
+    n_valid = valid_rows.sum(-1, keepdim=True)
+    rank = valid_rows.long().cumsum(-1) - 1
+    return valid_rows & (rank >= sink) & (rank < n_valid - local)

@@ -1,0 +1,20 @@
+"""Hot operations of sparse decoding: label quantization and scoring, gather-attention with LSE,
+and the exact LSE merge. Each is a plain-PyTorch function (the CPU path and the test oracle); the
+Triton kernels for CUDA tensors sit beside their twins.
+"""
+
+from __future__ import annotations
+
+from .gather_attention import gather_attention
+from .labels import dequantize_labels, label_code_width, label_scores, label_storage_dtype, quantize_labels
+from .merge import merge_attention_states
+
+__all__ = [
+    "dequantize_labels",
+    "gather_attention",
+    "label_code_width",
+    "label_scores",
+    "label_storage_dtype",
+    "merge_attention_states",
+    "quantize_labels",
+]

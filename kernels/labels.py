@@ -1,0 +1,92 @@
+"""Label cache arithmetic: quantized heavy channels of keys and approximate scores on them.
+
+A *label* (DoubleSparse / HShare section 4.2) is the vector of a key's r heavy channels. Labels
+are quantized per (row, head, token) vector, asymmetric min/max:
+
+* 16 bits: stored as is (bf16 keys stay bf16, other dtypes become float16); no scale/zero;
+* 8 bits: uint8 codes ``[..., r]`` with a per-token ``scale`` and ``zero``;
+* 4 bits: two codes per byte, ``[..., r / 2]`` uint8 (low nibble = even channel), scale and zero.
+
+Dequantized label = code * scale + zero. The query side is not quantized: a single query vector
+per step costs nothing to keep exact, and quantizing it only adds error.
+
+These are the plain-PyTorch twins: the CPU path and the test oracle of the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def label_storage_dtype(key_dtype: torch.dtype) -> torch.dtype:
+    """dtype of 16-bit labels and of the scale/zero of 4/8-bit labels for keys of `key_dtype`."""
+    if key_dtype == torch.bfloat16:
+        return torch.bfloat16
+    if key_dtype in (torch.float32, torch.float64):
+        return key_dtype  # CPU/reference runs keep full precision of scale and zero
+    return torch.float16
+
+
+def label_code_width(channels: int, bits: int) -> int:
+    """Last-dimension size of the stored codes for `channels` label channels."""
+    return channels // 2 if bits == 4 else channels
+
+
+def quantize_labels(labels: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Quantize label vectors.
+
+    Args:
+        labels: ``[..., r]`` floating labels (the heavy channels of keys).
+        bits: 4, 8 or 16.
+
+    Returns:
+        ``(codes, scale, zero)``: codes ``[..., r]`` (16/8 bits) or ``[..., r/2]`` uint8 (4 bits);
+        scale and zero ``[...]`` in `label_storage_dtype` (None for 16 bits).
+    """
+    store = label_storage_dtype(labels.dtype)
+    if bits == 16:
+        if store in (torch.float32, torch.float64):
+            store = torch.float16
+        return labels.to(store), None, None
+    levels = (1 << bits) - 1
+    x = labels.float() if labels.dtype != torch.float64 else labels
+    low = x.amin(dim=-1)
+    high = x.amax(dim=-1)
+    scale = (high - low) / levels
+    scale = scale.to(store).to(x.dtype)  # quantize with the scale that will be stored
+    low = low.to(store).to(x.dtype)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((x - low[..., None]) / safe[..., None]).clamp_(0, levels).to(torch.uint8)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes, scale.to(store), low.to(store)
+
+
+def dequantize_labels(codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_labels`: ``[..., r]`` labels in `dtype`."""
+    if bits == 16:
+        return codes.to(dtype)
+    if bits == 4:
+        low = codes & 0x0F
+        high = codes >> 4
+        codes = torch.stack((low, high), dim=-1).flatten(-2)
+    return codes.to(dtype) * scale.to(dtype)[..., None] + zero.to(dtype)[..., None]
+
+
+def label_scores(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
+                 zero: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Approximate attention logits q_lab . k_lab of every cached token (unscaled).
+
+    Args:
+        query_labels: ``[B, H, Q, r]`` the heavy channels of Q queries per head (fp32/fp64).
+        codes, scale, zero: the label cache of those heads, codes ``[B, H, n, r or r/2]``,
+            scale/zero ``[B, H, n]``.
+        bits: label bits.
+
+    Returns:
+        ``[B, H, Q, n]`` scores in the query labels' dtype (at least fp32).
+    """
+    dtype = torch.float64 if query_labels.dtype == torch.float64 else torch.float32
+    keys = dequantize_labels(codes, scale, zero, bits, dtype)
+    return query_labels.to(dtype) @ keys.transpose(-1, -2)

@@ -1,0 +1,28 @@
+"""What hshare needs to know about an architecture to patch it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ArchitectureAdapter:
+    """How to find a model's attention modules and read its attention geometry.
+
+    Attributes:
+        model_type: transformers' ``config.model_type``.
+        attention_class: class name of the attention module (``LlamaAttention``).
+    """
+
+    model_type: str
+    attention_class: str
+
+    def attention_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The attention modules in layer order; each has ``layer_idx`` and ``scaling``."""
+        modules = [m for m in model.modules() if type(m).__name__ == self.attention_class]
+        return sorted(modules, key=lambda m: m.layer_idx)
+
+    def head_dim(self, config) -> int:
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
