@@ -4,10 +4,10 @@
 * Prefill (q_len > 1, or the first token): exact SDPA; sparse layers build their label cache and,
   when layers or heads share, record the planner's evidence (keep-sets of the last query rows).
 * Decode (q_len == 1): the first layer opens the step (row windows, plan at the first step,
-  whether this step starts a query group). Dense layers, and steps where every row is within the
-  budget, run exact SDPA. Sparse layers append the new token's label; at selection steps the
-  layer's source heads score the middle window on labels and take the top-k, copying heads and
-  layers reuse their source's columns; then gather-attention over sink + heavy + local.
+  whether this step starts a query group). Dense layers run exact SDPA. Sparse layers append the
+  new token's label; at selection steps the layer's source heads score the middle window on labels
+  and take the top-k, copying heads and layers reuse their source's columns; then gather-attention
+  over sink + heavy + local, or exact SDPA when every row is within the budget.
 """
 
 from __future__ import annotations
@@ -66,14 +66,14 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     layer = cache.layers[layer_idx]
     layer.labels.append(key[:, :, layer.labels.length:])
     windows = cache.state.windows
-    if windows.all_short:  # every row fits the budget: exact dense attention
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
     if cache.state.selecting:
         layer.heavy = _select_heavy_columns(cache, layer_idx, query)
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
         layer.heavy = torch.full((batch, cache.sel_heads, cache.config.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
+    if windows.all_short:  # every row fits the budget: exact dense attention
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     indices = windows.critical_indices(layer.heavy)
     out, _ = gather_attention(query[:, :, 0], key, value, indices, scaling)
     return out[:, None], None

@@ -213,12 +213,11 @@ class HShareCache(Cache):
             state.windows, state.selecting = None, False
             return
         state.windows = RowWindows.build(valid, config.sink, config.local, config.budget)
-        if state.windows.all_short:
-            state.selecting = False
-            return
-        self.stats.sparse_steps += 1
+        self.stats.sparse_steps += int(not state.windows.all_short)
         if state.plan is None:
             self._plan(batch=valid.shape[0], device=valid.device)
+        # Query groups follow one schedule for the whole batch (steps 1, 1 + a, ...), also while
+        # every row is within the budget: a row's selections never depend on its batch mates.
         due = state.last_selection is None or state.step - state.last_selection >= config.query_group
         state.selecting = bool(due and config.heavy > 0)
         if due:

@@ -153,8 +153,8 @@ class HShareConfig:
         self.heavy_channels = str(self.heavy_channels)
         if self.heavy_channels not in ("auto", "dynamic") and not Path(self.heavy_channels).is_file():
             raise ConfigError(
-                f"HShareConfig.heavy_channels = {self.heavy_channels!r} is neither 'auto', 'dynamic' nor an existing "
-                "calibration file"
+                f"HShareConfig.heavy_channels = {self.heavy_channels!r} is not an existing file; accepted: 'auto', "
+                "'dynamic' or the path of a calibration JSON (hshare calibrate)"
             )
         self.prefix = _choice("prefix", self.prefix, PREFIX_MODES)
         self.seed = _int("seed", self.seed, 0)

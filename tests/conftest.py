@@ -1,0 +1,46 @@
+"""Tiny random Llama / Mistral models built from configs (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+VOCAB = 160
+
+
+def tiny_llama(kv_heads: int = 2, layers: int = 4, heads: int = 4, dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def tiny_mistral(sliding_window: int | None = 24, dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                           sliding_window=sliding_window, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return MistralForCausalLM(config).to(dtype).eval()
+
+
+def left_padded(lengths: list[int], generator: torch.Generator | None = None):
+    """Random prompts of the given lengths, left-padded: (input_ids, attention_mask)."""
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length:] = torch.randint(3, VOCAB, (length,), generator=generator)
+        mask[row, width - length:] = 1
+    return ids, mask
+
+
+def greedy(model, ids, mask, new_tokens: int = 12, **kwargs):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=0, **kwargs)
+
+
+@pytest.fixture(params=["gqa", "mha"])
+def llama(request):
+    return tiny_llama(kv_heads=2 if request.param == "gqa" else 4)

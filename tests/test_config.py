@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+import hshare
+from hshare.config import ConfigError, HShareConfig, resolve_config
+
+from conftest import tiny_llama
+
+
+def test_presets_load_with_paper_budgets():
+    names = hshare.preset_names()
+    for base in ("ds", "streaming", "hshare-7_8-3_4-1_2", "hshare-3_4-3_4-1_2", "hshare-1_2-1_2-1_2"):
+        small, large = HShareConfig.from_preset(base), HShareConfig.from_preset(base + "@512")
+        assert (small.budget, large.budget) == (128, 512), base
+    assert "dense" in names and not HShareConfig.from_preset("dense").sparse
+    ds = HShareConfig.from_preset("ds")
+    assert (ds.sink, ds.local, ds.heavy) == (8, 32, 88)
+    assert (ds.layer_sharing, ds.head_sharing, ds.query_group) == (1.0, 1.0, 1)
+    big = HShareConfig.from_preset("hshare-7_8-3_4-1_2@512")
+    assert (big.sink, big.local, big.heavy) == (16, 64, 432)
+    assert (big.layer_sharing, big.head_sharing, big.query_group) == (0.875, 0.75, 2)
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("sink", -1, "sink"), ("local", 0, "local"), ("heavy", 1.5, "heavy"),
+    ("label_bits", 3, "label_bits"), ("label_channels", 0, "label_channels"),
+    ("label_channels", 15, "even"), ("layer_sharing", 0.0, "layer_sharing"),
+    ("head_sharing", 1.5, "head_sharing"), ("query_sharing", 0.4, "query_sharing"),
+    ("query_sharing", "x/y", "query_sharing"), ("selection", "token", "selection"),
+    ("plan_scope", "layer", "plan_scope"), ("planner", "best", "planner"), ("plan_rows", 0, "plan_rows"),
+    ("heavy_channels", "/no/such/file.json", "heavy_channels"), ("prefix", "on", "prefix"),
+    ("dense_layers", [1, 1], "dense_layers"), ("sparse", "yes", "sparse"),
+])
+def test_invalid_fields_name_the_field(field, value, words):
+    with pytest.raises(ConfigError, match=words) as info:
+        HShareConfig(**{field: value})
+    assert "accepted" in str(info.value)
+
+
+def test_fraction_strings_and_overrides():
+    config = resolve_config("hshare-3_4-3_4-1_2", heavy=40, query_sharing="1/4")
+    assert config.layer_sharing == 0.75 and config.heavy == 40 and config.query_group == 4
+
+
+def test_unknown_preset_and_field():
+    with pytest.raises(ConfigError, match="unknown preset"):
+        resolve_config("hshare-9_9")
+    with pytest.raises(ConfigError, match="unknown HShareConfig field"):
+        HShareConfig.from_dict({"budget": 3})
+    with pytest.raises(ConfigError, match="accepted"):
+        resolve_config(42)
+
+
+def test_yaml_path(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("sink: 4\nlocal: 8\nheavy: 20\nhead_sharing: '1/2'\n")
+    config = resolve_config(str(path))
+    assert config.budget == 32 and config.head_sharing == 0.5 and config.name == "mine"
+
+
+def test_model_dependent_checks():
+    model = tiny_llama()
+    with pytest.raises(ConfigError, match="dense_layers"):
+        hshare.patch(model, "ds", dense_layers=[7])
+    with pytest.raises(ConfigError, match="head_dim"):
+        hshare.patch(model, "ds", label_channels=32)  # head_dim is 16
+    assert "hshare_cache" not in str(model.config._attn_implementation)
+
+
+def test_unsupported_model_names_supported_types():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(hshare.UnsupportedModelError, match="llama, mistral"):
+        hshare.patch(model)
+    with pytest.raises(hshare.UnsupportedModelError):
+        hshare.patch(torch.nn.Linear(2, 2))
