@@ -2,7 +2,7 @@
 
 ``hshare.patch(model)`` makes a Llama or Mistral model decode with HShare hierarchical sparse
 attention (critical tokens chosen on a label cache, shared across layers, heads and adjacent
-steps) and shared-prefix attention. See README.md.
+steps). See README.md.
 """
 
 from hshare.api import new_cache, patch, patched, unpatch

@@ -84,7 +84,7 @@ def _wrap_generate(model) -> None:
 
 
 def patch(model, config: HShareConfig | str | os.PathLike | None = None, **overrides: Any):
-    """Make `model` decode with HShare (and shared-prefix attention).
+    """Make `model` decode with HShare sparse attention.
 
     Args:
         model: a transformers Llama or Mistral causal LM.

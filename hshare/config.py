@@ -30,7 +30,6 @@ SELECTION_GRANULARITIES = ("kv_head", "query_head")
 PLAN_SCOPES = ("batch", "sample")
 PLANNERS = ("greedy", "random")
 LABEL_BITS = (4, 8, 16)
-PREFIX_MODES = ("auto", "off")
 
 
 class ConfigError(ValueError):
@@ -69,7 +68,7 @@ def _choice(name: str, value: Any, accepted: tuple) -> Any:
 
 @dataclass
 class HShareConfig:
-    """Validated configuration of HShare sparse decoding and shared-prefix attention.
+    """Validated configuration of HShare sparse decoding.
 
     Attributes:
         sparse: False = exact dense attention at every step (the ``dense`` preset).
@@ -90,7 +89,6 @@ class HShareConfig:
         heavy_channels: "auto" (the calibrated file for the model in configs/channels if one
             exists, else dynamic), "dynamic" (chosen per row from the prompt's |q_c * k_c|), or a
             path to a calibration JSON written by ``hshare calibrate``.
-        prefix: "auto" (shared-prefix attention when rows share a long enough prefix) or "off".
         seed: seed of the random planner.
     """
 
@@ -109,7 +107,6 @@ class HShareConfig:
     planner: str = "greedy"
     plan_rows: int = 4
     heavy_channels: str = "auto"
-    prefix: str = "auto"
     seed: int = 0
     name: str = field(default="custom", compare=False)
 
@@ -156,7 +153,6 @@ class HShareConfig:
                 f"HShareConfig.heavy_channels = {self.heavy_channels!r} is not an existing file; accepted: 'auto', "
                 "'dynamic' or the path of a calibration JSON (hshare calibrate)"
             )
-        self.prefix = _choice("prefix", self.prefix, PREFIX_MODES)
         self.seed = _int("seed", self.seed, 0)
 
     # ---- derived quantities -------------------------------------------------------------

@@ -28,7 +28,7 @@ def test_presets_load_with_paper_budgets():
     ("head_sharing", 1.5, "head_sharing"), ("query_sharing", 0.4, "query_sharing"),
     ("query_sharing", "x/y", "query_sharing"), ("selection", "token", "selection"),
     ("plan_scope", "layer", "plan_scope"), ("planner", "best", "planner"), ("plan_rows", 0, "plan_rows"),
-    ("heavy_channels", "/no/such/file.json", "heavy_channels"), ("prefix", "on", "prefix"),
+    ("heavy_channels", "/no/such/file.json", "heavy_channels"),
     ("dense_layers", [1, 1], "dense_layers"), ("sparse", "yes", "sparse"),
 ])
 def test_invalid_fields_name_the_field(field, value, words):

