@@ -1,0 +1,101 @@
+"""GPU check of the plain-PyTorch path: CUDA correctness and the decode-step cost it has today.
+
+Run on the device machine (see benchmarks/RESULTS.md for the command). Prints a short table and
+writes JSON to $OUT (or the current directory):
+1. a tiny random Llama on CUDA in bf16 and fp16: patched generate with a budget covering the
+   context gives the unpatched tokens; a sparse budget runs without NaN;
+2. one decode step of attention at Llama-2-7B shape (32 heads, d 128, fp16), B 16, n 4096,
+   N_c 512: dense SDPA against the torch-twin sparse path (label scores + top-k + gather-attention)
+   of one layer, with no sharing (ds) and the per-(layer, step) average of 1/2-1/2-1/2 sharing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import triton.testing
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hshare
+from hshare.kernels import gather_attention, label_scores, quantize_labels
+from hshare.selection import RowWindows, select_heavy
+
+
+def check_generate(dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048)
+    model = LlamaForCausalLM(config).to("cuda", dtype).eval()
+    ids = torch.randint(3, 512, (4, 300), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+    mask[3, :170] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, **kwargs)
+    with hshare.patched(model, "ds", sink=4, local=8, heavy=1000):
+        wide = model.generate(ids, **kwargs)
+    with hshare.patched(model, "hshare-1_2-1_2-1_2", sink=4, local=16, heavy=40):
+        cache = hshare.new_cache(model)
+        out = model.generate(ids, past_key_values=cache, output_logits=True, return_dict_in_generate=True,
+                             **kwargs)
+    return {
+        "dtype": str(dtype),
+        "wide_budget_equals_dense": bool(torch.equal(wide, ref)),
+        "sparse_nan": bool(any(l.isnan().any() for l in out.logits)),
+        "sparse_steps": cache.stats.sparse_steps,
+        "agreement": float((out.sequences[:, 300:] == ref[:, 300:]).float().mean()),
+    }
+
+
+def time_attention_step(batch=16, heads=32, n=4096, dim=128, budget=512, channels=16) -> dict:
+    torch.manual_seed(0)
+    dt = torch.float16
+    q = torch.randn(batch, heads, 1, dim, device="cuda", dtype=dt)
+    k = torch.randn(batch, heads, n, dim, device="cuda", dtype=dt)
+    v = torch.randn(batch, heads, n, dim, device="cuda", dtype=dt)
+    dense = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                                    return_mode="median") * 1e3
+    codes, scale, zero = quantize_labels(k[..., :channels], 4)
+    valid = torch.ones(batch, n, dtype=torch.bool, device="cuda")
+    windows = RowWindows.build(valid, 16, 64, budget)
+    q_lab = q[..., :channels].float()
+
+    def select():
+        scores = label_scores(q_lab, codes, scale, zero, 4)[:, :, 0]
+        return select_heavy(scores, windows.middle[:, None], budget - 80)
+
+    heavy = select()
+    indices = windows.critical_indices(heavy)
+    selection = triton.testing.do_bench(select, return_mode="median") * 1e3
+    gather = triton.testing.do_bench(lambda: gather_attention(q[:, :, 0], k, v, indices, dim ** -0.5),
+                                     return_mode="median") * 1e3
+    shared = selection / 8 + gather  # 1/2-1/2-1/2: selection on ~1/8 of (layer, head, step) triples
+    return {"shape": f"B{batch} H{heads} n{n} d{dim} N_c{budget}", "dense_sdpa_us": dense,
+            "selection_us": selection, "gather_attention_us": gather, "ds_us": selection + gather,
+            "hshare_1_2_us": shared, "ds_speedup": dense / (selection + gather), "hshare_speedup": dense / shared}
+
+
+def main() -> int:
+    print(torch.cuda.get_device_name(), torch.__version__, "transformers", __import__("transformers").__version__)
+    results = {"generate": [check_generate(torch.bfloat16), check_generate(torch.float16)],
+               "attention_step": [time_attention_step(), time_attention_step(batch=8, n=2048, budget=256)]}
+    for row in results["generate"]:
+        print(f"{row['dtype']:<16} wide==dense {row['wide_budget_equals_dense']}  nan {row['sparse_nan']}  "
+              f"sparse steps {row['sparse_steps']}  agreement {row['agreement']:.2f}")
+    print(f"{'shape':<34}{'dense':>8}{'select':>8}{'gather':>8}{'ds':>8}{'1/2^3':>8}{'ds x':>7}{'hs x':>7}")
+    for row in results["attention_step"]:
+        print(f"{row['shape']:<34}{row['dense_sdpa_us']:>8.1f}{row['selection_us']:>8.1f}"
+              f"{row['gather_attention_us']:>8.1f}{row['ds_us']:>8.1f}{row['hshare_1_2_us']:>8.1f}"
+              f"{row['ds_speedup']:>7.2f}{row['hshare_speedup']:>7.2f}")
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "gpu_check.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    ok = all(r["wide_budget_equals_dense"] and not r["sparse_nan"] for r in results["generate"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
