@@ -20,7 +20,7 @@ from hshare.channels import dynamic_channels
 from hshare.kernels import gather_attention
 from hshare.labels import LabelCache
 from hshare.planner import head_similarity, layer_overlaps
-from hshare.selection import NO_TOKEN, select_heavy, valid_columns_from_mask
+from hshare.selection import NO_TOKEN, prefill_middle_windows, select_heavy, valid_columns_from_mask
 
 ATTENTION_NAME = "hshare"
 
@@ -108,9 +108,7 @@ def _prefill_labels_and_evidence(cache: HShareCache, layer_idx: int, query: torc
     row_column = torch.arange(kv_len - rows, kv_len, device=query.device)[:, None]
     causal = torch.arange(kv_len, device=query.device)[None, :] <= row_column
     row_valid = valid[:, None, :] & causal[None] & valid[:, kv_len - rows:, None]  # [B, W, n]
-    n_valid = row_valid.sum(-1, keepdim=True)
-    rank = row_valid.long().cumsum(-1) - 1
-    middle = row_valid & (rank >= config.sink) & (rank < n_valid - config.local)
+    middle = prefill_middle_windows(row_valid, config.sink, config.local)
     scores = layer.labels.scores(layer.labels.query_labels(query[:, :, q_len - rows:]))  # [B, H_sel, W, n]
     keep = select_heavy(scores, middle[:, None], config.heavy)
     if config.head_sharing < 1:

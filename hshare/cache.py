@@ -133,6 +133,7 @@ class LayerShare:
         copy_groups: ``(source layer, rows or None = all)`` whose heavy columns this layer copies.
         source_heads: ``[P, n_src]`` selection heads that compute scores.
         head_slot: ``[P, H_sel]`` position in `source_heads` of each head's source.
+        all_heads: every head is a source (no head sharing): no head gathers needed.
     """
 
     select_rows: torch.Tensor | None
