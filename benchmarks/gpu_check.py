@@ -4,9 +4,10 @@ Run on the device machine (see benchmarks/RESULTS.md for the command). Prints a 
 writes JSON to $OUT (or the current directory):
 1. a tiny random Llama on CUDA in bf16 and fp16: patched generate with a budget covering the
    context gives the unpatched tokens; a sparse budget runs without NaN;
-2. one decode step of attention at Llama-2-7B shape (32 heads, d 128, fp16), B 16, n 4096,
-   N_c 512: dense SDPA against the torch-twin sparse path (label scores + top-k + gather-attention)
-   of one layer, with no sharing (ds) and the per-(layer, step) average of 1/2-1/2-1/2 sharing.
+2. one decode step of attention (Llama-2-7B and Llama-3-8B shapes, d 128, fp16, N_c = n/8): dense
+   SDPA against the sparse path of one layer: label scores + top-k (torch twin) and gather-attention
+   (torch twin and Triton kernel, with its achieved bandwidth on the bytes it must read), with no
+   sharing (ds) and the per-(layer, step) average of 1/2-1/2-1/2 sharing (selection / 8).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import triton.testing
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hshare
-from hshare.kernels import gather_attention, label_scores, quantize_labels
+from hshare.kernels import gather_attention_torch, label_scores, quantize_labels
+from hshare.kernels.gather_attention_triton import gather_attention_triton
 from hshare.selection import RowWindows, select_heavy
 
 
@@ -50,18 +52,20 @@ def check_generate(dtype: torch.dtype) -> dict:
     }
 
 
-def time_attention_step(batch=16, heads=32, n=4096, dim=128, budget=512, channels=16) -> dict:
+def time_attention_step(batch=16, heads=32, n=4096, dim=128, budget=512, channels=16, kv_heads=None) -> dict:
     torch.manual_seed(0)
     dt = torch.float16
+    kv_heads = kv_heads or heads
     q = torch.randn(batch, heads, 1, dim, device="cuda", dtype=dt)
-    k = torch.randn(batch, heads, n, dim, device="cuda", dtype=dt)
-    v = torch.randn(batch, heads, n, dim, device="cuda", dtype=dt)
-    dense = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
-                                    return_mode="median") * 1e3
+    k = torch.randn(batch, kv_heads, n, dim, device="cuda", dtype=dt)
+    v = torch.randn(batch, kv_heads, n, dim, device="cuda", dtype=dt)
+    dense = triton.testing.do_bench(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=kv_heads != heads),
+        return_mode="median") * 1e3
     codes, scale, zero = quantize_labels(k[..., :channels], 4)
     valid = torch.ones(batch, n, dtype=torch.bool, device="cuda")
     windows = RowWindows.build(valid, 16, 64, budget)
-    q_lab = q[..., :channels].float()
+    q_lab = q.reshape(batch, kv_heads, heads // kv_heads, dim)[..., :channels].float().sum(2, keepdim=True)
 
     def select():
         scores = label_scores(q_lab, codes, scale, zero, 4)[:, :, 0]
@@ -70,26 +74,40 @@ def time_attention_step(batch=16, heads=32, n=4096, dim=128, budget=512, channel
     heavy = select()
     indices = windows.critical_indices(heavy)
     selection = triton.testing.do_bench(select, return_mode="median") * 1e3
-    gather = triton.testing.do_bench(lambda: gather_attention(q[:, :, 0], k, v, indices, dim ** -0.5),
+    q1 = q[:, :, 0]
+    twin = triton.testing.do_bench(lambda: gather_attention_torch(q1, k, v, indices, dim ** -0.5),
+                                   return_mode="median") * 1e3
+    idx32 = indices.to(torch.int32)
+    gather = triton.testing.do_bench(lambda: gather_attention_triton(q1, k, v, idx32, dim ** -0.5),
                                      return_mode="median") * 1e3
+    ref = gather_attention_torch(q1.float(), k.float(), v.float(), indices, dim ** -0.5)[0]
+    got = gather_attention_triton(q1, k, v, idx32, dim ** -0.5)[0].float()
+    bytes_read = batch * kv_heads * budget * dim * 2 * 2 + idx32.numel() * 4
     shared = selection / 8 + gather  # 1/2-1/2-1/2: selection on ~1/8 of (layer, head, step) triples
-    return {"shape": f"B{batch} H{heads} n{n} d{dim} N_c{budget}", "dense_sdpa_us": dense,
-            "selection_us": selection, "gather_attention_us": gather, "ds_us": selection + gather,
-            "hshare_1_2_us": shared, "ds_speedup": dense / (selection + gather), "hshare_speedup": dense / shared}
+    return {"shape": f"B{batch} H{heads}/{kv_heads} n{n} d{dim} N_c{budget}", "dense_sdpa_us": dense,
+            "selection_us": selection, "gather_twin_us": twin, "gather_triton_us": gather,
+            "gather_TBps": bytes_read / gather / 1e6, "gather_rel_err": float((got - ref).norm() / ref.norm()),
+            "ds_us": selection + gather, "hshare_1_2_us": shared, "ds_speedup": dense / (selection + gather),
+            "hshare_speedup": dense / shared, "gather_only_speedup": dense / gather}
 
 
 def main() -> int:
     print(torch.cuda.get_device_name(), torch.__version__, "transformers", __import__("transformers").__version__)
     results = {"generate": [check_generate(torch.bfloat16), check_generate(torch.float16)],
-               "attention_step": [time_attention_step(), time_attention_step(batch=8, n=2048, budget=256)]}
+               "attention_step": [time_attention_step(), time_attention_step(batch=8, n=2048, budget=256),
+                                  time_attention_step(batch=8, n=1024, budget=128),
+                                  time_attention_step(batch=64, n=4096, budget=512, kv_heads=8),
+                                  time_attention_step(batch=16, n=16384, budget=2048, kv_heads=8)]}
     for row in results["generate"]:
         print(f"{row['dtype']:<16} wide==dense {row['wide_budget_equals_dense']}  nan {row['sparse_nan']}  "
               f"sparse steps {row['sparse_steps']}  agreement {row['agreement']:.2f}")
-    print(f"{'shape':<34}{'dense':>8}{'select':>8}{'gather':>8}{'ds':>8}{'1/2^3':>8}{'ds x':>7}{'hs x':>7}")
+    print(f"{'shape':<36}{'dense':>8}{'select':>8}{'twin':>8}{'triton':>8}{'TB/s':>6}{'err':>9}{'ds':>8}"
+          f"{'1/2^3':>8}{'ds x':>6}{'hs x':>6}{'gat x':>6}")
     for row in results["attention_step"]:
-        print(f"{row['shape']:<34}{row['dense_sdpa_us']:>8.1f}{row['selection_us']:>8.1f}"
-              f"{row['gather_attention_us']:>8.1f}{row['ds_us']:>8.1f}{row['hshare_1_2_us']:>8.1f}"
-              f"{row['ds_speedup']:>7.2f}{row['hshare_speedup']:>7.2f}")
+        print(f"{row['shape']:<36}{row['dense_sdpa_us']:>8.1f}{row['selection_us']:>8.1f}"
+              f"{row['gather_twin_us']:>8.1f}{row['gather_triton_us']:>8.1f}{row['gather_TBps']:>6.2f}"
+              f"{row['gather_rel_err']:>9.1e}{row['ds_us']:>8.1f}{row['hshare_1_2_us']:>8.1f}"
+              f"{row['ds_speedup']:>6.2f}{row['hshare_speedup']:>6.2f}{row['gather_only_speedup']:>6.2f}")
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "gpu_check.json"), "w") as f:
         json.dump(results, f, indent=1)

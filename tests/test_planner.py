@@ -72,8 +72,11 @@ def test_head_similarity_is_normalised_overlap():
 
 
 def test_layer_overlap_matches_head_wise_mean():
-    keep_a = torch.randint(-1, 20, (2, 3, 2, 5))
-    keep_b = torch.randint(-1, 20, (2, 3, 2, 5))
+    def keep_sets():  # distinct columns per set (as top-k gives), some slots empty (-1)
+        cols = torch.stack([torch.randperm(20)[:5] for _ in range(12)]).reshape(2, 3, 2, 5)
+        return torch.where(torch.rand(cols.shape) < 0.2, torch.full_like(cols, -1), cols)
+
+    keep_a, keep_b = keep_sets(), keep_sets()
     got = layer_overlaps(keep_b, [keep_a], 20)
     for b in range(2):
         values = []

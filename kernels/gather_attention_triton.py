@@ -1,0 +1,153 @@
+"""Triton gather-attention: one decode query per head over selected KV rows, split over N_c.
+
+Twin of `gather_attention.gather_attention` (same arguments, same results). Flash-decoding
+layout: program (row b, selection head s, split j) reads the N_c indices of split j once, gathers
+those K/V rows straight from the cache's buffer (any strides, no copy) and computes the partial
+softmax of all the query heads that read head s (GQA folded into the rows of one ``tl.dot``, so
+each gathered row is read once per group). A second kernel merges the splits, and an optional
+incoming partial (a shared prefix), exactly by log-sum-exp. No power-of-two requirement on N_c
+(tiles are masked), no register cliff at large N_c (the split loop keeps one tile live).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # gathered rows per tile
+
+
+@triton.jit
+def _gather_attention_split(
+    q_ptr, k_ptr, v_ptr, idx_ptr, part_out_ptr, part_lse_ptr,
+    scale, n_keys, budget, tiles_per_split, num_splits,
+    s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ib, s_ih,
+    SEL_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    DIM: tl.constexpr, BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // SEL_HEADS
+    s = pid % SEL_HEADS
+    kv = s * KV_HEADS // SEL_HEADS
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, DIM)
+    row_ok = rows < GROUP
+    q = tl.load(q_ptr + b * s_qb + (s * GROUP + rows)[:, None] * s_qh + dims[None, :], mask=row_ok[:, None],
+                other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, DIM), tl.float32)
+    start = split * tiles_per_split * BLOCK
+    for tile in range(0, tiles_per_split):
+        offs = start + tile * BLOCK + tl.arange(0, BLOCK)
+        in_budget = offs < budget
+        cols = tl.load(idx_ptr + b * s_ib + s * s_ih + offs, mask=in_budget, other=-1)
+        ok = (cols >= 0) & (cols < n_keys)
+        cols = tl.where(ok, cols, 0).to(tl.int64)
+        k = tl.load(k_ptr + b * s_kb + kv * s_kh + cols[:, None] * s_kn + dims[None, :], mask=ok[:, None], other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        scores = tl.where(ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        v = tl.load(v_ptr + b * s_vb + kv * s_vh + cols[:, None] * s_vn + dims[None, :], mask=ok[:, None], other=0.0)
+        if UPCAST_DOT:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        l = l * alpha + tl.sum(p, 1)
+        m = m_new
+    has = l > 0
+    out = acc / tl.where(has, l, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+    head = s * GROUP + rows
+    part = (b * SEL_HEADS * GROUP + head) * num_splits + split  # [B, Hq, splits]
+    tl.store(part_out_ptr + part[:, None] * DIM + dims[None, :], out, mask=row_ok[:, None])
+    tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(
+    part_out_ptr, part_lse_ptr, prior_out_ptr, prior_lse_ptr, out_ptr, lse_ptr, num_splits,
+    HAS_PRIOR: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr,
+):
+    row = tl.program_id(0)  # b * Hq + h
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, DIM)
+    ok = splits < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=ok, other=float("-inf"))
+    outs = tl.load(part_out_ptr + (row * num_splits + splits)[:, None] * DIM + dims[None, :], mask=ok[:, None],
+                   other=0.0)
+    top = tl.max(lse, 0)
+    if HAS_PRIOR:
+        prior_lse = tl.load(prior_lse_ptr + row).to(tl.float32)
+        top = tl.maximum(top, prior_lse)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    weights = tl.exp(lse - top_safe)
+    total = tl.sum(weights, 0)
+    merged = tl.sum(outs * weights[:, None], 0)
+    if HAS_PRIOR:
+        prior_weight = tl.exp(prior_lse - top_safe)
+        merged += tl.load(prior_out_ptr + row * DIM + dims).to(tl.float32) * prior_weight
+        total += prior_weight
+    has = total > 0
+    merged = merged / tl.where(has, total, 1.0)
+    tl.store(out_ptr + row * DIM + dims, merged.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + row, tl.where(has, top_safe + tl.log(tl.where(has, total, 1.0)), float("-inf")))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def gather_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
+                            scale: float, partial: tuple[torch.Tensor, torch.Tensor] | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `gather_attention` (see there); fp16, bf16 and fp32; head dims 16..256."""
+    batch, q_heads, dim = query.shape
+    kv_heads, n_keys = keys.shape[1], keys.shape[2]
+    sel_heads, budget = indices.shape[1], indices.shape[2]
+    if sel_heads not in (kv_heads, q_heads) or q_heads % sel_heads:
+        raise ValueError(f"indices have {sel_heads} heads; accepted: Hkv = {kv_heads} or Hq = {q_heads}")
+    if dim & (dim - 1) or not 16 <= dim <= 256:
+        raise ValueError(f"head_dim {dim} is not supported by the Triton kernel; accepted: 16, 32, 64, 128, 256")
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("keys/values must be contiguous in the head dimension")
+    query = query.contiguous()
+    indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+    group = q_heads // sel_heads
+    tiles = max(1, triton.cdiv(budget, BLOCK_N))
+    wanted_splits = max(1, triton.cdiv(2 * _num_sms(query.device), batch * sel_heads))
+    tiles_per_split = triton.cdiv(tiles, min(tiles, wanted_splits))
+    num_splits = triton.cdiv(tiles, tiles_per_split)
+
+    part_out = torch.empty(batch, q_heads, num_splits, dim, device=query.device, dtype=torch.float32)
+    part_lse = torch.empty(batch, q_heads, num_splits, device=query.device, dtype=torch.float32)
+    _gather_attention_split[(batch * sel_heads, num_splits)](
+        query, keys, values, indices, part_out, part_lse,
+        scale, n_keys, budget, tiles_per_split, num_splits,
+        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), indices.stride(0), indices.stride(1),
+        SEL_HEADS=sel_heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        DIM=dim, BLOCK=BLOCK_N,
+        # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.9): upcast there only
+        UPCAST_DOT=os.environ.get("TRITON_INTERPRET") == "1" and query.dtype == torch.bfloat16,
+    )
+    out = torch.empty_like(query)
+    lse = torch.empty(batch, q_heads, device=query.device, dtype=torch.float32)
+    prior_out, prior_lse = (partial[0].contiguous(), partial[1].float().contiguous()) if partial else (out, lse)
+    _merge_splits[(batch * q_heads,)](
+        part_out, part_lse, prior_out, prior_lse, out, lse, num_splits,
+        HAS_PRIOR=partial is not None, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), DIM=dim,
+    )
+    return out, lse

@@ -1,0 +1,53 @@
+"""Triton kernels against their torch twins and an fp64 reference (CPU: TRITON_INTERPRET=1)."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")  # conftest selects the interpreter on machines without a GPU
+
+from hshare.kernels import gather_attention_torch  # noqa: E402
+from hshare.kernels.gather_attention_triton import gather_attention_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_case(batch, q_heads, kv_heads, sel_heads, n, budget, dim, dtype):
+    q = torch.randn(batch, q_heads, dim, device=DEVICE).to(dtype)
+    storage_k = torch.randn(batch, kv_heads, n + 7, dim, device=DEVICE).to(dtype)
+    storage_v = torch.randn(batch, kv_heads, n + 7, dim, device=DEVICE).to(dtype)
+    idx = torch.stack([torch.randperm(n, device=DEVICE)[:budget] for _ in range(batch * sel_heads)])
+    idx = idx.reshape(batch, sel_heads, budget).to(torch.int32)
+    idx[0, 0, budget // 3:] = -1  # padding inside a selection
+    idx[-1, -1, :] = -1  # a fully masked selection head
+    return q, storage_k[:, :, :n], storage_v[:, :, :n], idx
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("q_heads,kv_heads,per_query", [(4, 2, False), (4, 2, True), (2, 2, False), (8, 1, False)])
+@pytest.mark.parametrize("budget", [37, 130])
+def test_gather_attention_triton_matches_twin(dtype, tol, q_heads, kv_heads, per_query, budget):
+    if dtype == torch.float32 and DEVICE == "cuda":
+        tol = 5e-3  # tf32 dot on the GPU
+    sel = q_heads if per_query else kv_heads
+    q, k, v, idx = random_case(2, q_heads, kv_heads, sel, 200, budget, 16, dtype)
+    out = torch.full_like(q, float("nan"))  # poison: every element must be written
+    out, lse = gather_attention_triton(q, k, v, idx, 0.3)
+    ref_out, ref_lse = gather_attention_torch(q.double(), k.double(), v.double(), idx, 0.3)
+    assert not out.isnan().any() and not lse.isnan().any()
+    masked = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), masked)
+    assert bool((out[masked] == 0).all())
+    err = (out.double() - ref_out).norm() / ref_out.norm()
+    assert err < tol
+    torch.testing.assert_close(lse[~masked].double(), ref_lse[~masked], rtol=tol, atol=tol)
+
+
+def test_gather_attention_triton_merges_an_incoming_partial():
+    q, k, v, idx = random_case(2, 4, 2, 2, 90, 40, 16, torch.float32)
+    idx[-1, -1, :5] = torch.arange(5, dtype=torch.int32)  # no fully masked head here
+    first = gather_attention_torch(q, k, v, idx[..., :17].contiguous(), 0.25)
+    out, lse = gather_attention_triton(q, k, v, idx[..., 17:].contiguous(), 0.25, partial=first)
+    ref_out, ref_lse = gather_attention_torch(q, k, v, idx, 0.25)
+    tol = 5e-3 if DEVICE == "cuda" else 1e-5  # tf32 dot on the GPU; exact fp32 in the interpreter
+    torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, ref_lse, rtol=tol, atol=tol)
