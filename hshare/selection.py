@@ -64,6 +64,7 @@ class RowWindows:
         local: ``[B, local]`` columns of the last valid tokens.
         dense: ``[B, budget]`` the first `budget` valid columns (all of a short row's tokens).
         middle: ``[B, n]`` bool, the window ``[sink, n_valid - local)`` in valid-token ranks.
+        all_short: every row is short (host bool: the step's one device sync, not one per layer).
     """
 
     valid: torch.Tensor
@@ -73,6 +74,7 @@ class RowWindows:
     local: torch.Tensor
     dense: torch.Tensor
     middle: torch.Tensor
+    all_short: bool
 
     @classmethod
     def build(cls, valid: torch.Tensor, sink: int, local: int, budget: int) -> "RowWindows":
@@ -85,19 +87,17 @@ class RowWindows:
         # a row shorter than sink + local: its local window must not repeat sink columns
         local_ranks = torch.where(local_ranks >= sink, local_ranks, torch.full_like(local_ranks, -1))
         dense_ranks = torch.arange(budget, device=device).expand(valid.shape[0], budget)
+        short = n_valid <= budget
         return cls(
             valid=valid,
             n_valid=n_valid,
-            short=n_valid <= budget,
+            short=short,
             sink=nth_valid_columns(valid, sink_ranks),
             local=nth_valid_columns(valid, local_ranks),
             dense=nth_valid_columns(valid, dense_ranks),
             middle=middle,
+            all_short=bool(short.all()),
         )
-
-    @property
-    def all_short(self) -> bool:
-        return bool(self.short.all())
 
     def critical_indices(self, heavy: torch.Tensor) -> torch.Tensor:
         """Union of sink, heavy and local columns per selection head.
