@@ -21,7 +21,7 @@ import triton.testing
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hshare
-from hshare.kernels import gather_attention_torch, label_scores, quantize_labels
+from hshare.kernels import gather_attention_torch, label_scores, quantize_labels, score_heads
 from hshare.kernels.gather_attention_triton import gather_attention_triton
 from hshare.selection import RowWindows, select_heavy
 
@@ -65,15 +65,25 @@ def time_attention_step(batch=16, heads=32, n=4096, dim=128, budget=512, channel
     codes, scale, zero = quantize_labels(k[..., :channels], 4)
     valid = torch.ones(batch, n, dtype=torch.bool, device="cuda")
     windows = RowWindows.build(valid, 16, 64, budget)
-    q_lab = q.reshape(batch, kv_heads, heads // kv_heads, dim)[..., :channels].float().sum(2, keepdim=True)
+    q_lab = q.reshape(batch, kv_heads, heads // kv_heads, dim)[..., :channels].float().sum(2)  # [B, Hkv, r]
+    rows, all_heads = torch.arange(batch, device="cuda"), torch.arange(kv_heads, device="cuda")[None]
 
-    def select():
-        scores = label_scores(q_lab, codes, scale, zero, 4)[:, :, 0]
+    def select_twin():
+        scores = label_scores(q_lab[:, :, None], codes, scale, zero, 4)[:, :, 0]
+        return select_heavy(scores, windows.middle[:, None], budget - 80)
+
+    def select():  # Triton label scores (in place, source heads) + torch.topk
+        scores = score_heads(q_lab, codes, scale, zero, 4, rows, all_heads)
         return select_heavy(scores, windows.middle[:, None], budget - 80)
 
     heavy = select()
+    overlap = (torch.zeros(batch, kv_heads, n + 1, device="cuda").scatter_(-1, heavy.clamp(min=0), 1)
+               .gather(-1, select_twin().clamp(min=0)).mean())
     indices = windows.critical_indices(heavy)
+    selection_twin = triton.testing.do_bench(select_twin, return_mode="median") * 1e3
     selection = triton.testing.do_bench(select, return_mode="median") * 1e3
+    scores_only = triton.testing.do_bench(lambda: score_heads(q_lab, codes, scale, zero, 4, rows, all_heads),
+                                          return_mode="median") * 1e3
     q1 = q[:, :, 0]
     twin = triton.testing.do_bench(lambda: gather_attention_torch(q1, k, v, indices, dim ** -0.5),
                                    return_mode="median") * 1e3
@@ -85,7 +95,8 @@ def time_attention_step(batch=16, heads=32, n=4096, dim=128, budget=512, channel
     bytes_read = batch * kv_heads * budget * dim * 2 * 2 + idx32.numel() * 4
     shared = selection / 8 + gather  # 1/2-1/2-1/2: selection on ~1/8 of (layer, head, step) triples
     return {"shape": f"B{batch} H{heads}/{kv_heads} n{n} d{dim} N_c{budget}", "dense_sdpa_us": dense,
-            "selection_us": selection, "gather_twin_us": twin, "gather_triton_us": gather,
+            "selection_twin_us": selection_twin, "label_scores_triton_us": scores_only,
+            "selection_overlap_with_twin": float(overlap), "selection_us": selection, "gather_twin_us": twin, "gather_triton_us": gather,
             "gather_TBps": bytes_read / gather / 1e6, "gather_rel_err": float((got - ref).norm() / ref.norm()),
             "ds_us": selection + gather, "hshare_1_2_us": shared, "ds_speedup": dense / (selection + gather),
             "hshare_speedup": dense / shared, "gather_only_speedup": dense / gather}
@@ -101,10 +112,12 @@ def main() -> int:
     for row in results["generate"]:
         print(f"{row['dtype']:<16} wide==dense {row['wide_budget_equals_dense']}  nan {row['sparse_nan']}  "
               f"sparse steps {row['sparse_steps']}  agreement {row['agreement']:.2f}")
-    print(f"{'shape':<36}{'dense':>8}{'select':>8}{'twin':>8}{'triton':>8}{'TB/s':>6}{'err':>9}{'ds':>8}"
-          f"{'1/2^3':>8}{'ds x':>6}{'hs x':>6}{'gat x':>6}")
+    print(f"{'shape':<36}{'dense':>8}{'sel.tw':>8}{'scores':>8}{'select':>8}{'same':>6}{'twin':>8}{'triton':>8}"
+          f"{'TB/s':>6}{'err':>9}{'ds':>8}{'1/2^3':>8}{'ds x':>6}{'hs x':>6}{'gat x':>6}")
     for row in results["attention_step"]:
-        print(f"{row['shape']:<36}{row['dense_sdpa_us']:>8.1f}{row['selection_us']:>8.1f}"
+        print(f"{row['shape']:<36}{row['dense_sdpa_us']:>8.1f}{row['selection_twin_us']:>8.1f}"
+              f"{row['label_scores_triton_us']:>8.1f}{row['selection_us']:>8.1f}"
+              f"{row['selection_overlap_with_twin']:>6.3f}"
               f"{row['gather_twin_us']:>8.1f}{row['gather_triton_us']:>8.1f}{row['gather_TBps']:>6.2f}"
               f"{row['gather_rel_err']:>9.1e}{row['ds_us']:>8.1f}{row['hshare_1_2_us']:>8.1f}"
               f"{row['ds_speedup']:>6.2f}{row['hshare_speedup']:>6.2f}{row['gather_only_speedup']:>6.2f}")

@@ -109,7 +109,7 @@ def _prefill_labels_and_evidence(cache: HShareCache, layer_idx: int, query: torc
     causal = torch.arange(kv_len, device=query.device)[None, :] <= row_column
     row_valid = valid[:, None, :] & causal[None] & valid[:, kv_len - rows:, None]  # [B, W, n]
     middle = prefill_middle_windows(row_valid, config.sink, config.local)
-    scores = layer.labels.scores(layer.labels.query_labels(query[:, :, q_len - rows:]))  # [B, H_sel, W, n]
+    scores = layer.labels.prefill_scores(layer.labels.query_labels(query[:, :, q_len - rows:]))  # [B, H_sel, W, n]
     keep = select_heavy(scores, middle[:, None], config.heavy)
     if config.head_sharing < 1:
         cache.state.head_similarity[layer_idx] = head_similarity(keep, kv_len)
@@ -145,7 +145,7 @@ def _select_heavy_columns(cache: HShareCache, layer_idx: int, query: torch.Tenso
             heads = source_heads
             picks = source_heads.expand(count, -1)[..., None].expand(-1, -1, query_labels.shape[-1])
             query_labels = query_labels.gather(1, picks)
-        scores = layer.labels.scores(query_labels[:, :, None], rows=rows, heads=heads)[:, :, 0]  # [B', n_src, n]
+        scores = layer.labels.decode_scores(query_labels, rows=rows, heads=heads)  # [B', n_src, n]
         chosen = select_heavy(scores, middle[:, None], config.heavy)
         cache.stats.score_computations += count * scores.shape[1]
         if not share.all_heads:

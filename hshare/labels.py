@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hshare.buffer import GrowingBuffer
-from hshare.kernels import label_scores, quantize_labels
+from hshare.kernels import label_scores, quantize_labels, score_heads
 
 
 class LabelCache:
@@ -68,27 +68,29 @@ class LabelCache:
         channels = self.channels[:, :, None, None, :].expand(batch, -1, grouped.shape[2], rows, -1)
         return grouped.gather(-1, channels).sum(2)
 
-    def scores(self, query_labels: torch.Tensor, rows: torch.Tensor | None = None,
-               heads: torch.Tensor | None = None) -> torch.Tensor:
-        """Approximate logits of every cached token for some rows and selection heads.
+    def prefill_scores(self, query_labels: torch.Tensor) -> torch.Tensor:
+        """Approximate logits ``[B, H_sel, Q, n]`` of every cached token for Q queries per head."""
+        return label_scores(query_labels, self.codes.view(), self.scale.view(), self.zero.view(), self.bits)
+
+    def decode_scores(self, query_labels: torch.Tensor, rows: torch.Tensor | None = None,
+                      heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Approximate logits of every cached token for some rows and source heads (in place).
 
         Args:
-            query_labels: ``[B', H', Q, r]`` for the chosen rows and heads.
+            query_labels: ``[B', H', r]`` for the chosen rows and heads.
             rows: ``[B']`` batch rows (None = all).
             heads: ``[B' or 1, H']`` selection heads per row (None = all).
 
         Returns:
-            ``[B', H', Q, n]``.
+            ``[B', H', n]``.
         """
-        codes, scale, zero = self.codes.view(), self.scale.view(), self.zero.view()
-        tensors = [codes, scale, zero]
-        if rows is not None:
-            tensors = [None if t is None else t.index_select(0, rows) for t in tensors]
-        if heads is not None:
-            count = tensors[0].shape[0]
-            picks = heads.expand(count, -1)
-            tensors = [None if t is None else t[torch.arange(count, device=t.device)[:, None], picks] for t in tensors]
-        return label_scores(query_labels, tensors[0], tensors[1], tensors[2], self.bits)
+        device = query_labels.device
+        if rows is None:
+            rows = torch.arange(query_labels.shape[0], device=device)
+        if heads is None:
+            heads = torch.arange(self.sel_heads, device=device)[None]
+        return score_heads(query_labels, self.codes.view(), self.scale.view(), self.zero.view(), self.bits, rows,
+                           heads)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         for buffer in (self.codes, self.scale, self.zero):

@@ -90,3 +90,28 @@ def label_scores(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.T
     dtype = torch.float64 if query_labels.dtype == torch.float64 else torch.float32
     keys = dequantize_labels(codes, scale, zero, bits, dtype)
     return query_labels.to(dtype) @ keys.transpose(-1, -2)
+
+
+def score_heads(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
+                zero: torch.Tensor | None, bits: int, rows: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """Decode-step label scores of chosen rows and selection heads, read in place from the cache.
+
+    Args:
+        query_labels: ``[B', H', r]`` one query's heavy channels per (row, source head).
+        codes, scale, zero: the whole label cache ``[B, H_sel, n, ...]`` / ``[B, H_sel, n]``.
+        rows: ``[B']`` batch rows; heads: ``[B' or 1, H']`` selection heads to score.
+
+    Returns:
+        ``[B', H', n]`` fp32 scores (fp64 for fp64 query labels). CUDA tensors use the Triton kernel
+        (``HSHARE_KERNELS`` as for gather-attention); this body is the twin.
+    """
+    from .gather_attention import _use_triton
+
+    if _use_triton(query_labels) and query_labels.dtype != torch.float64:
+        from .labels_triton import score_heads_triton
+
+        return score_heads_triton(query_labels, codes, scale, zero, bits, rows, heads)
+    count = rows.shape[0]
+    picks = (rows[:, None], heads.expand(count, -1))
+    picked = [None if t is None else t[picks] for t in (codes, scale, zero)]
+    return label_scores(query_labels[:, :, None], picked[0], picked[1], picked[2], bits)[:, :, 0]

@@ -51,3 +51,23 @@ def test_gather_attention_triton_merges_an_incoming_partial():
     tol = 5e-3 if DEVICE == "cuda" else 1e-5  # tf32 dot on the GPU; exact fp32 in the interpreter
     torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
     torch.testing.assert_close(lse, ref_lse, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("n", [1, 129, 300])
+def test_score_heads_triton_matches_reference(bits, n):
+    from hshare.kernels import dequantize_labels, quantize_labels
+    from hshare.kernels.labels_triton import score_heads_triton
+
+    batch, sel_heads, channels = 3, 4, 16
+    storage = torch.randn(batch, sel_heads, n + 50, channels, device=DEVICE)
+    codes, scale, zero = (None if t is None else t[:, :, :n] for t in quantize_labels(storage, bits))
+    rows = torch.tensor([2, 0], device=DEVICE)
+    heads = torch.tensor([[3, 1], [0, 2]], device=DEVICE)
+    q = torch.randn(2, 2, channels, device=DEVICE)
+    got = score_heads_triton(q, codes, scale, zero, bits, rows, heads)
+    keys = dequantize_labels(codes, scale, zero, bits, torch.float64)
+    for i, row in enumerate(rows.tolist()):
+        for j, head in enumerate(heads[i].tolist()):
+            ref = keys[row, head] @ q[i, j].double()
+            torch.testing.assert_close(got[i, j].double(), ref, rtol=1e-4, atol=1e-4)
