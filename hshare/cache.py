@@ -64,7 +64,8 @@ class HShareLayer(CacheLayerMixin):
         return -1
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Reorder / select / repeat batch rows of everything this layer holds."""
+        """Reorder / select / repeat batch rows of everything this layer holds (the cache's beam and
+        batch methods call this for every layer)."""
         self._keys.select_rows(rows)
         self._values.select_rows(rows)
         self.keys, self.values = self._keys.view(), self._values.view()
@@ -73,19 +74,6 @@ class HShareLayer(CacheLayerMixin):
         if self.heavy is not None:
             self.heavy = self.heavy.index_select(0, rows.to(self.heavy.device))
         self.keep = None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.get_seq_length():
-            self.select_rows(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.get_seq_length():
-            self.select_rows(torch.as_tensor(indices, device=self.device))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.get_seq_length():
-            rows = torch.arange(self._keys.storage.shape[0], device=self.device).repeat_interleave(repeats)
-            self.select_rows(rows)
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:

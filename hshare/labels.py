@@ -84,11 +84,6 @@ class LabelCache:
         Returns:
             ``[B', H', n]``.
         """
-        device = query_labels.device
-        if rows is None:
-            rows = torch.arange(query_labels.shape[0], device=device)
-        if heads is None:
-            heads = torch.arange(self.sel_heads, device=device)[None]
         return score_heads(query_labels, self.codes.view(), self.scale.view(), self.zero.view(), self.bits, rows,
                            heads)
 

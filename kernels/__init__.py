@@ -6,15 +6,13 @@ Triton kernels for CUDA tensors sit beside their twins.
 from __future__ import annotations
 
 from .gather_attention import gather_attention, gather_attention_torch
-from .labels import (dequantize_labels, label_code_width, label_scores, label_storage_dtype, quantize_labels,
-                     score_heads)
+from .labels import dequantize_labels, label_scores, label_storage_dtype, quantize_labels, score_heads
 from .merge import merge_attention_states
 
 __all__ = [
     "dequantize_labels",
     "gather_attention",
     "gather_attention_torch",
-    "label_code_width",
     "label_scores",
     "label_storage_dtype",
     "merge_attention_states",

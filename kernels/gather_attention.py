@@ -5,33 +5,24 @@ head*. With ``H_sel = Hkv`` (selection per KV head) the g = Hq / Hkv query heads
 one gathered set, so each gathered key/value row is read once; with ``H_sel = Hq`` (per query
 head) every query head has its own set from its KV head.
 
-`gather_attention` dispatches: CUDA tensors go to the Triton kernel
+`gather_attention` dispatches (`dispatch.use_triton`): CUDA tensors go to the Triton kernel
 (`gather_attention_triton`), everything else to the plain-PyTorch twin `gather_attention_torch`
-(the CPU path and the test oracle). ``HSHARE_KERNELS=torch`` forces the twin, ``=triton`` the
-kernel (on CPU with ``TRITON_INTERPRET=1``).
+(the CPU path and the test oracle).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .dispatch import use_triton
 from .merge import merge_attention_states
-
-
-def _use_triton(tensor: torch.Tensor) -> bool:
-    mode = os.environ.get("HSHARE_KERNELS", "auto")
-    if mode not in ("auto", "torch", "triton"):
-        raise ValueError(f"HSHARE_KERNELS={mode!r} is invalid; accepted: auto, torch, triton")
-    return mode == "triton" or (mode == "auto" and tensor.is_cuda)
 
 
 def gather_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
                      scale: float, partial: tuple[torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse decode attention (contract: `gather_attention_torch`); Triton for CUDA tensors."""
-    if _use_triton(query):
+    if use_triton(query):
         from .gather_attention_triton import gather_attention_triton
 
         return gather_attention_triton(query, keys, values, indices, scale, partial)

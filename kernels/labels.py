@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import use_triton
+
 
 def label_storage_dtype(key_dtype: torch.dtype) -> torch.dtype:
     """dtype of 16-bit labels and of the scale/zero of 4/8-bit labels for keys of `key_dtype`."""
@@ -25,11 +27,6 @@ def label_storage_dtype(key_dtype: torch.dtype) -> torch.dtype:
     if key_dtype in (torch.float32, torch.float64):
         return key_dtype  # CPU/reference runs keep full precision of scale and zero
     return torch.float16
-
-
-def label_code_width(channels: int, bits: int) -> int:
-    """Last-dimension size of the stored codes for `channels` label channels."""
-    return channels // 2 if bits == 4 else channels
 
 
 def quantize_labels(labels: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -93,25 +90,31 @@ def label_scores(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.T
 
 
 def score_heads(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
-                zero: torch.Tensor | None, bits: int, rows: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+                zero: torch.Tensor | None, bits: int, rows: torch.Tensor | None = None,
+                heads: torch.Tensor | None = None) -> torch.Tensor:
     """Decode-step label scores of chosen rows and selection heads, read in place from the cache.
 
     Args:
         query_labels: ``[B', H', r]`` one query's heavy channels per (row, source head).
         codes, scale, zero: the whole label cache ``[B, H_sel, n, ...]`` / ``[B, H_sel, n]``.
-        rows: ``[B']`` batch rows; heads: ``[B' or 1, H']`` selection heads to score.
+        rows: ``[B']`` batch rows (None = all); heads: ``[B' or 1, H']`` selection heads to score
+            (None = all): the twin then reads the cache without copying it.
 
     Returns:
         ``[B', H', n]`` fp32 scores (fp64 for fp64 query labels). CUDA tensors use the Triton kernel
         (``HSHARE_KERNELS`` as for gather-attention); this body is the twin.
     """
-    from .gather_attention import _use_triton
-
-    if _use_triton(query_labels) and query_labels.dtype != torch.float64:
+    if use_triton(query_labels) and query_labels.dtype != torch.float64:
         from .labels_triton import score_heads_triton
 
+        device = query_labels.device
+        rows = torch.arange(query_labels.shape[0], device=device) if rows is None else rows
+        heads = torch.arange(query_labels.shape[1], device=device)[None] if heads is None else heads
         return score_heads_triton(query_labels, codes, scale, zero, bits, rows, heads)
-    count = rows.shape[0]
-    picks = (rows[:, None], heads.expand(count, -1))
-    picked = [None if t is None else t[picks] for t in (codes, scale, zero)]
-    return label_scores(query_labels[:, :, None], picked[0], picked[1], picked[2], bits)[:, :, 0]
+    tensors = [codes, scale, zero]
+    if rows is not None:
+        tensors = [None if t is None else t.index_select(0, rows) for t in tensors]
+    if heads is not None:
+        picks = (torch.arange(tensors[0].shape[0], device=heads.device)[:, None], heads.expand(tensors[0].shape[0], -1))
+        tensors = [None if t is None else t[picks] for t in tensors]
+    return label_scores(query_labels[:, :, None], tensors[0], tensors[1], tensors[2], bits)[:, :, 0]

@@ -1,0 +1,18 @@
+"""Which implementation of a hot operation runs: the Triton kernel or its plain-PyTorch twin.
+
+CUDA tensors go to the Triton kernels, everything else to the twins. ``HSHARE_KERNELS=torch``
+forces the twins, ``HSHARE_KERNELS=triton`` the kernels (on CPU with ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    mode = os.environ.get("HSHARE_KERNELS", "auto")
+    if mode not in ("auto", "torch", "triton"):
+        raise ValueError(f"HSHARE_KERNELS={mode!r} is invalid; accepted: auto, torch, triton")
+    return mode == "triton" or (mode == "auto" and tensor.is_cuda)
