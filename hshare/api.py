@@ -8,7 +8,8 @@ Patching (transformers 5.x attention interface, no forward replacement):
 3. adds a forward pre-hook on each attention module that hands the layer the generation's
    `HShareCache` (``past_key_values`` is not among the attention function's kwargs);
 4. wraps the instance's ``generate`` so that every call gets a fresh `HShareCache` (unless the
-   caller passes a cache), which holds all state of that generation.
+   caller passes a cache), which holds all state of that generation, and so that a prompt prefix
+   shared by the rows is detected, prefilled once and held once (`hshare.shared_generate`).
 Plain forward calls (no `HShareCache`) stay exact dense attention.
 """
 
@@ -29,6 +30,7 @@ from hshare.cache import HShareCache
 from hshare.channels import ChannelCalibration, resolve_calibration
 from hshare.config import HShareConfig, resolve_config
 from hshare.patches import adapter_for
+from hshare.shared_generate import generate_with_shared_prefix
 
 _STATE_ATTR = "_hshare_patch"
 
@@ -78,6 +80,11 @@ def _wrap_generate(model) -> None:
                                                                        "cache_implementation", None)
         if kwargs.get("past_key_values") is None and wants_cache and implementation is None:
             kwargs["past_key_values"] = new_cache(model)
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, HShareCache) and not cache.get_seq_length() and cache.config.prefix != "off":
+            shared = generate_with_shared_prefix(model, original, cache, args, kwargs)
+            if shared is not None:
+                return shared
         return original(*args, **kwargs)
 
     model.generate = generate

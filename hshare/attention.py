@@ -3,6 +3,9 @@
 * No `HShareCache` (a plain forward, lm-eval loglikelihood, a user's own cache): exact SDPA.
 * Prefill (q_len > 1, or the first token): exact SDPA; sparse layers build their label cache and,
   when layers or heads share, record the planner's evidence (keep-sets of the last query rows).
+* Shared prefix (`HShareCache.prefix`): prefill and decode attend exactly to the prefix levels
+  held once (one batched product per group and KV head) and to the row's own columns (dense, or
+  HShare-sparse on sparse layers), merged exactly by LSE.
 * Decode (q_len == 1): the first layer opens the step (row windows, plan at the first step,
   whether this step starts a query group). Dense layers run exact SDPA. Sparse layers append the
   new token's label; at selection steps the layer's source heads score the middle window on labels
@@ -17,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hshare.cache import HShareCache, HShareLayer
 from hshare.channels import dynamic_channels
-from hshare.kernels import gather_attention
+from hshare.kernels import attention_with_lse, gather_attention, merge_attention_states
 from hshare.labels import LabelCache
 from hshare.planner import head_similarity, layer_overlaps
 from hshare.selection import NO_TOKEN, prefill_middle_windows, select_heavy, valid_columns_from_mask
@@ -48,21 +51,30 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     scaling = module.scaling if scaling is None else scaling
     decoding = q_len == 1 and kv_len > 1
 
+    prefix = cache.prefix_attention(layer_idx, query, scaling)  # exact, over the shared prefix levels
     if not decoding:
         if layer_idx == 0:
             cache.begin_prefill()
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                     **kwargs)
-        if cache.is_sparse_layer(layer_idx):
+        if prefix is None:
+            out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                         **kwargs)
+        else:
+            out = _own_prefill_attention(query, key, value, attention_mask, scaling, prefix)
+        if cache.is_sparse_layer(layer_idx) and not cache.filling_prefix:
             valid = valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0]
             _prefill_labels_and_evidence(cache, layer_idx, query, key, valid)
         return out
 
     if layer_idx == 0:
         cache.begin_decode_step(valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0])
+    if prefix is not None:
+        prefix = (prefix[0][:, :, 0], prefix[1][:, :, 0])
     if not cache.is_sparse_layer(layer_idx):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        if prefix is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+        out, _ = gather_attention(query[:, :, 0], key, value, cache.state.own_columns, scaling, prefix)
+        return out[:, None], None
     layer = cache.layers[layer_idx]
     layer.labels.append(key[:, :, layer.labels.length:])
     windows = cache.state.windows
@@ -71,12 +83,36 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
         layer.heavy = torch.full((batch, cache.sel_heads, cache.config.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
-    if windows.all_short:  # every row fits the budget: exact dense attention
+    if windows.all_short and prefix is None:  # every row fits the budget: exact dense attention
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     indices = windows.critical_indices(layer.heavy)
-    out, _ = gather_attention(query[:, :, 0], key, value, indices, scaling)
+    out, _ = gather_attention(query[:, :, 0], key, value, indices, scaling, prefix)
     return out[:, None], None
+
+
+def _own_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, scaling: float,
+                           prefix: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, None]:
+    """Prefill of the rows' own parts: causal attention over the own columns (GQA folded into GEMM
+    rows), merged by LSE with the exact attention over the shared prefix levels.
+
+    Args:
+        query: ``[B, Hq, T, d]``; key, value: ``[B, Hkv, S, d]`` the own columns (after update).
+        attention_mask: transformers' mask over prefix + own columns (its last S columns are used).
+        prefix: ``(out [B, Hq, T, d], lse [B, Hq, T])`` over the prefix levels.
+
+    Returns:
+        ``(out [B, T, Hq, d], None)``.
+    """
+    batch, q_heads, steps, dim = query.shape
+    kv_heads, own = key.shape[1], key.shape[2]
+    per_kv = q_heads // kv_heads
+    valid = valid_columns_from_mask(attention_mask, batch, own, steps, query.device)  # [B, T, S]
+    mask = valid[:, None, None].expand(batch, 1, per_kv, steps, own).reshape(batch, 1, per_kv * steps, own)
+    out, lse = attention_with_lse(query.reshape(batch, kv_heads, per_kv * steps, dim), key, value, scaling, mask)
+    out, _ = merge_attention_states(out.view(batch, q_heads, steps, dim), lse.view(batch, q_heads, steps), *prefix)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _prefill_labels_and_evidence(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,

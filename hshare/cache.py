@@ -19,7 +19,8 @@ from hshare.channels import ChannelCalibration
 from hshare.config import HShareConfig
 from hshare.labels import LabelCache
 from hshare.planner import SharingPlan, build_plan, identity_plan
-from hshare.selection import RowWindows
+from hshare.prefix_store import PrefixStore
+from hshare.selection import NO_TOKEN, RowWindows
 
 
 class HShareLayer(CacheLayerMixin):
@@ -29,6 +30,8 @@ class HShareLayer(CacheLayerMixin):
         labels: the layer's `LabelCache` (sparse layers, after prefill).
         heavy: ``[B, H_sel, heavy]`` heavy columns of the last selection (query groups reuse them).
         keep: ``[B, H_sel, W, heavy]`` prefill keep-sets, the planner's evidence (until planned).
+        prefix_width: columns held by the cache's shared-prefix store before this layer's own
+            columns (counted in the sequence length transformers sees).
     """
 
     is_sliding = False
@@ -42,6 +45,7 @@ class HShareLayer(CacheLayerMixin):
         self.labels: LabelCache | None = None
         self.heavy: torch.Tensor | None = None
         self.keep: torch.Tensor | None = None
+        self.prefix_width = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -58,7 +62,7 @@ class HShareLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self._keys.length
+        return self.prefix_width + self._keys.length
 
     def get_max_length(self) -> int:
         return -1
@@ -78,7 +82,10 @@ class HShareLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): accepted: a negative number of tokens to remove")
-        length = max(0, self.get_seq_length() + tokens_to_remove)
+        length = self.get_seq_length() + tokens_to_remove - self.prefix_width
+        if length < 0:
+            raise ValueError(f"crop({tokens_to_remove}) would cut into the shared prefix ({self.prefix_width} tokens); "
+                             f"accepted: at most {self._keys.length} tokens")
         self._keys.crop(length)
         self._values.crop(length)
         self.keys, self.values = self._keys.view(), self._values.view()
@@ -139,6 +146,7 @@ class DecodeState:
     last_selection: int | None = None
     selecting: bool = False
     windows: RowWindows | None = None
+    own_columns: torch.Tensor | None = None
     plan: SharingPlan | None = None
     shares: dict[int, LayerShare] = field(default_factory=dict)
     head_similarity: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -167,6 +175,41 @@ class HShareCache(Cache):
         self._sparse = set(self.sparse_layers)
         self.state = DecodeState()
         self.stats = DecodeStats()
+        self.prefix: PrefixStore | None = None
+
+    # ---- shared prefix ------------------------------------------------------------------
+    def set_prefix(self, prefix: PrefixStore) -> None:
+        """Hold `prefix` once; rows keep only their own columns (before any token is cached)."""
+        if self.get_seq_length():
+            raise ValueError("a shared prefix must be set on an empty cache")
+        self.prefix = prefix
+        self._set_prefix_width(0)
+
+    def _set_prefix_width(self, width: int) -> None:
+        for layer in self.layers:
+            layer.prefix_width = width
+
+    def begin_prefix_fill(self, level: int) -> None:
+        self.prefix.begin_fill(level)
+        self._set_prefix_width(self.prefix.start(level))
+
+    def end_prefix_fill(self) -> None:
+        self.prefix.end_fill()
+        self._set_prefix_width(self.prefix.width)
+
+    @property
+    def filling_prefix(self) -> bool:
+        return self.prefix is not None and self.prefix.filling is not None
+
+    def prefix_attention(self, layer: int, query: torch.Tensor, scale: float
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Exact attention over the visible prefix levels (`PrefixStore.attend`), or None."""
+        return None if self.prefix is None else self.prefix.attend(layer, query, scale)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.filling_prefix:
+            return self.prefix.store(layer_idx, key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ---- layer roles --------------------------------------------------------------------
     def is_sparse_layer(self, layer: int) -> bool:
@@ -198,6 +241,10 @@ class HShareCache(Cache):
         state, config = self.state, self.config
         state.step += 1
         self.stats.decode_steps += 1
+        if self.prefix is not None:  # exact attention over the own part of dense layers
+            columns = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+            own = torch.where(valid, columns, torch.full_like(columns, NO_TOKEN))
+            state.own_columns = own[:, None].expand(-1, self.kv_heads, -1).contiguous()
         if not self.sparse_layers:
             state.windows, state.selecting = None, False
             return
@@ -269,6 +316,8 @@ class HShareCache(Cache):
     def _select_rows(self, rows: torch.Tensor) -> None:
         for layer in self.layers:
             layer.select_rows(rows)
+        if self.prefix is not None:
+            self.prefix.select_rows(rows)
         if self.state.plan is not None and self.state.plan.per_sample:
             self._compile_plan(self.state.plan.select_rows(rows.to(self.state.plan.layer_source.device)))
 
@@ -291,8 +340,20 @@ class HShareCache(Cache):
 
     # ---- accounting ---------------------------------------------------------------------
     def kv_bytes(self) -> int:
-        """Bytes of keys and values held (stored tokens only)."""
-        return sum(layer.kv_bytes() for layer in self.layers)
+        """Bytes of keys and values held (stored tokens only; a shared prefix counted once)."""
+        own = sum(layer.kv_bytes() for layer in self.layers)
+        return own + (0 if self.prefix is None else self.prefix.nbytes())
+
+    def unshared_kv_bytes(self) -> int:
+        """Bytes an ordinary cache (transformers' DynamicCache) would hold for the same batch:
+        every row's keys and values over all columns, prefix and padding included."""
+        total = 0
+        for layer in self.layers:
+            if layer._keys.storage is not None:
+                keys = layer._keys.view()
+                row_token_bytes = keys.shape[1] * keys.shape[3] * keys.element_size() * 2
+                total += keys.shape[0] * layer.get_seq_length() * row_token_bytes
+        return total
 
     def label_bytes(self) -> int:
         """Bytes of the label caches (codes, scales, zeros)."""

@@ -30,6 +30,7 @@ SELECTION_GRANULARITIES = ("kv_head", "query_head")
 PLAN_SCOPES = ("batch", "sample")
 PLANNERS = ("greedy", "random")
 LABEL_BITS = (4, 8, 16)
+PREFIX_MODES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -90,6 +91,15 @@ class HShareConfig:
             exists, else dynamic), "dynamic" (chosen per row from the prompt's |q_c * k_c|), or a
             path to a calibration JSON written by ``hshare calibrate``.
         seed: seed of the random planner.
+        prefix: shared-prefix attention inside ``generate`` (Hydragen): "auto" stores a prompt
+            prefix shared by the rows once when it is worth it (at least `prefix_min_tokens`
+            shared tokens and `prefix_min_batch` rows sharing them; with a sparse config also
+            when reading the prefix once per step costs no more than the rows' sparse budgets),
+            "on" whenever any prefix is shared, "off" never.
+        prefix_min_tokens: shortest prefix (level 1) or group extension (level 2) stored once.
+        prefix_min_batch: fewest rows that must share a level for "auto" to store it once.
+        prefix_levels: 1 (one prefix for all rows) or 2 (plus groups of rows sharing more, e.g. the
+            samples of each question after a common few-shot prefix).
     """
 
     sparse: bool = True
@@ -108,6 +118,10 @@ class HShareConfig:
     plan_rows: int = 4
     heavy_channels: str = "auto"
     seed: int = 0
+    prefix: str = "auto"
+    prefix_min_tokens: int = 128
+    prefix_min_batch: int = 2
+    prefix_levels: int = 2
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -154,6 +168,10 @@ class HShareConfig:
                 "'dynamic' or the path of a calibration JSON (hshare calibrate)"
             )
         self.seed = _int("seed", self.seed, 0)
+        self.prefix = _choice("prefix", self.prefix, PREFIX_MODES)
+        self.prefix_min_tokens = _int("prefix_min_tokens", self.prefix_min_tokens, 1)
+        self.prefix_min_batch = _int("prefix_min_batch", self.prefix_min_batch, 1)
+        self.prefix_levels = _int("prefix_levels", self.prefix_levels, 1, 2)
 
     # ---- derived quantities -------------------------------------------------------------
     @property

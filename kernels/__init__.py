@@ -8,8 +8,11 @@ from __future__ import annotations
 from .gather_attention import gather_attention, gather_attention_torch
 from .labels import dequantize_labels, label_scores, label_storage_dtype, quantize_labels, score_heads
 from .merge import merge_attention_states
+from .prefix_attention import attention_with_lse, attention_with_lse_torch, shared_prefix_attention
 
 __all__ = [
+    "attention_with_lse",
+    "attention_with_lse_torch",
     "dequantize_labels",
     "gather_attention",
     "gather_attention_torch",
@@ -18,4 +21,5 @@ __all__ = [
     "merge_attention_states",
     "quantize_labels",
     "score_heads",
+    "shared_prefix_attention",
 ]

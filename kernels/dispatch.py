@@ -16,3 +16,10 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if mode not in ("auto", "torch", "triton"):
         raise ValueError(f"HSHARE_KERNELS={mode!r} is invalid; accepted: auto, torch, triton")
     return mode == "triton" or (mode == "auto" and tensor.is_cuda)
+
+
+def use_fused(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA tensor goes to PyTorch's fused attention kernels (flash / memory-efficient,
+    which return the LSE) rather than the plain-PyTorch twin (``HSHARE_KERNELS=torch`` forces it)."""
+    use_triton(tensor)  # validates HSHARE_KERNELS
+    return tensor.is_cuda and os.environ.get("HSHARE_KERNELS", "auto") != "torch"

@@ -1,0 +1,126 @@
+"""The cache's store of shared prefix levels: each level's keys and values held once per group.
+
+Level ``l`` holds, per layer, ``[G_l, Hkv, W_l, d]`` keys and values (prefilled once, batch G_l)
+and maps every row of the batch to its group (`row_group`, ``-1`` = none). While level ``l`` is
+being prefilled the "rows" of the forward pass are that level's groups; the levels below it are
+visible to them through the group of any member row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hshare.kernels import merge_attention_states, shared_prefix_attention
+
+
+def group_membership(row_group: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Members of each group and each row's slot among them.
+
+    Args:
+        row_group: ``[B]`` group of each row, ``-1`` = none.
+        groups: G.
+
+    Returns:
+        ``(members [G, M] rows padded with -1, row_slot [B] = g * M + m or -1)``.
+    """
+    device = row_group.device
+    host = row_group.cpu()
+    counts = torch.bincount(host[host >= 0], minlength=groups)
+    width = max(1, int(counts.max())) if groups else 1
+    members = torch.full((groups, width), -1, dtype=torch.long)
+    row_slot = torch.full_like(host, -1)
+    filled = [0] * groups
+    for row, group in enumerate(host.tolist()):
+        if group >= 0:
+            members[group, filled[group]] = row
+            row_slot[row] = group * width + filled[group]
+            filled[group] += 1
+    return members.to(device), row_slot.to(device)
+
+
+class PrefixLevel:
+    """One level: G groups of W columns, stored once per group.
+
+    Args:
+        row_group: ``[B]`` each row's group, ``-1`` = none.
+        key_valid: ``[G, W]`` bool for groups shorter than W, or None.
+        num_layers: layers of the model.
+    """
+
+    def __init__(self, row_group: torch.Tensor, key_valid: torch.Tensor | None, groups: int, width: int,
+                 num_layers: int) -> None:
+        self.groups, self.width = groups, width
+        self.key_valid = key_valid
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.set_rows(row_group)
+
+    def set_rows(self, row_group: torch.Tensor) -> None:
+        self.row_group = row_group
+        self.members, self.row_slot = group_membership(row_group, self.groups)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
+
+class PrefixStore:
+    """All prefix levels of one generation (levels are prefilled in order, then frozen)."""
+
+    def __init__(self, levels: list[PrefixLevel]) -> None:
+        self.levels = levels
+        self.filling: int | None = None  # the level being prefilled, None once all are stored
+        self._pass_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def width(self) -> int:
+        """Columns of all levels (what the cache adds to each row's own length)."""
+        return sum(level.width for level in self.levels)
+
+    def start(self, level: int) -> int:
+        return sum(lv.width for lv in self.levels[:level])
+
+    def begin_fill(self, level: int) -> None:
+        """Prefill of `level`: its groups are the rows; lower levels map them by a member row."""
+        self.filling = level
+        first_member = self.levels[level].members[:, 0]
+        self._pass_rows = [group_membership(lower.row_group[first_member], lower.groups)
+                           for lower in self.levels[:level]]
+
+    def end_fill(self) -> None:
+        self.filling = None
+        self._pass_rows = []
+
+    def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the prefilled keys/values ``[G, Hkv, W, d]`` of the level being filled."""
+        level = self.levels[self.filling]
+        if keys.shape[0] != level.groups or keys.shape[2] != level.width:
+            raise ValueError(f"prefix level {self.filling} expects {level.groups} groups x {level.width} tokens, "
+                             f"got keys of shape {tuple(keys.shape)}")
+        level.keys[layer], level.values[layer] = keys, values
+        return keys, values
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Rows of the batch were reordered / selected / repeated: remap their groups."""
+        for level in self.levels:
+            level.set_rows(level.row_group.index_select(0, rows.to(level.row_group.device)))
+
+    def attend(self, layer: int, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Exact attention of the pass's rows over every visible level, merged by LSE.
+
+        Args:
+            query: ``[B, Hq, T, d]``.
+
+        Returns:
+            ``(out [B, Hq, T, d], lse [B, Hq, T])``, or None when no level is visible.
+        """
+        visible = self.levels if self.filling is None else self.levels[:self.filling]
+        merged = None
+        for index, level in enumerate(visible):
+            members, row_slot = (level.members, level.row_slot) if self.filling is None else self._pass_rows[index]
+            part = shared_prefix_attention(query, level.keys[layer], level.values[layer], scale, members, row_slot,
+                                           level.key_valid)
+            merged = part if merged is None else merge_attention_states(*merged, *part)
+        return merged
+
+    def nbytes(self) -> int:
+        return sum(level.nbytes() for level in self.levels)

@@ -1,0 +1,247 @@
+"""Shared-prefix detection, layout and ``generate`` with the prefix held once (tiny random models)."""
+
+import pytest
+import torch
+
+import hshare
+from hshare.prefix import build_layout, detect_shared_prefix
+from hshare.selection import NO_TOKEN
+
+from conftest import VOCAB, tiny_llama, tiny_mistral
+
+
+def tokens(n, generator=None):
+    return torch.randint(3, VOCAB, (n,), generator=generator)
+
+
+def left_pad(prompts):
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = prompt
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def run(model, ids, mask, new_tokens=8, cache=None, **kwargs):
+    kwargs.setdefault("do_sample", False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True, past_key_values=cache,
+                         **kwargs)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def compare_with_unpatched(model, ids, mask, preset="dense", new_tokens=8, expect_levels=None, **kwargs):
+    """Tokens identical and teacher-forced logits within fp32 rounding; returns the cache."""
+    seed = kwargs.pop("seed", 0)
+    torch.manual_seed(seed)
+    ref_tokens, ref_logits = run(model, ids, mask, new_tokens, **kwargs)
+    with hshare.patched(model, preset, prefix="on"):
+        cache = hshare.new_cache(model)
+        torch.manual_seed(seed)
+        got_tokens, got_logits = run(model, ids, mask, new_tokens, cache=cache, **kwargs)
+    assert torch.equal(got_tokens, ref_tokens)
+    torch.testing.assert_close(got_logits, ref_logits, rtol=1e-5, atol=1e-5)
+    if expect_levels is not None:
+        assert cache.prefix is not None and [lv.width for lv in cache.prefix.levels] == expect_levels
+    return cache
+
+
+# ---- detection and layout ---------------------------------------------------------------------
+def test_detection_hand_worked():
+    t = torch.tensor
+    prompts = [t([5, 6, 7, 8, 9]), t([5, 6, 7, 3]), t([5, 6, 7, 8, 9, 4]), t([5, 6, 7, 3, 1])]
+    shared = detect_shared_prefix(prompts, min_tokens=1, min_rows=1, levels=2)
+    assert shared.common == 3
+    # rows 0 and 2 share [8, 9] beyond the common prefix (row 0 keeps its last token: extension 1);
+    # rows 1 and 3 share [3] but row 1 must keep it as its own token: no group
+    assert shared.groups == [([0, 2], 1)]
+    # 4 tokens: no common prefix that long, but rows 0 and 2 share 4 (a level of its own)
+    assert detect_shared_prefix(prompts, min_tokens=4, min_rows=1, levels=2) == type(shared)(0, [([0, 2], 4)])
+    assert detect_shared_prefix(prompts, min_tokens=5, min_rows=1, levels=2).empty
+    assert detect_shared_prefix(prompts, min_tokens=1, min_rows=5, levels=1).empty
+    same = [t([4, 4, 4, 4])] * 3
+    assert detect_shared_prefix(same, 1, 1, 2).common == 3  # whole prompt but its last token
+
+
+def test_layout_keeps_positions_and_tokens():
+    gen = torch.Generator().manual_seed(0)
+    few_shot = tokens(6, gen)
+    questions = [tokens(5, gen), tokens(3, gen)]
+    prompts = [torch.cat((few_shot, questions[q], tokens(n, gen))) for q, n in ((0, 2), (1, 4), (0, 1), (1, 1))]
+    shared = detect_shared_prefix(prompts, 1, 1, 2)
+    layout = build_layout(prompts, shared, pad_token_id=0)
+    assert layout.widths[0] == 6 and sorted(rows for rows, _ in shared.groups) == [[0, 2], [1, 3]]
+    positions = layout.attention_mask.cumsum(-1) - 1
+    for row, prompt in enumerate(prompts):
+        kept = layout.attention_mask[row].bool()
+        assert torch.equal(layout.input_ids[row, kept], prompt)  # same tokens in order
+        assert torch.equal(positions[row, kept], torch.arange(len(prompt)))  # same RoPE positions
+        assert layout.attention_mask[row, -1] == 1  # every row has an own token
+
+
+# ---- generate: dense config equals the unpatched model ----------------------------------------
+@pytest.mark.parametrize("kv_heads", [2, 4, 1])
+def test_left_padded_shared_prefix(kv_heads):
+    model = tiny_llama(kv_heads=kv_heads)
+    prefix = tokens(40)
+    prompts = [torch.cat((prefix, tokens(n))) for n in (5, 17, 1, 9)]
+    compare_with_unpatched(model, *left_pad(prompts), expect_levels=[40])
+
+
+def test_mistral_shared_prefix_and_window_fallback():
+    prefix = tokens(30)
+    prompts = [torch.cat((prefix, tokens(n))) for n in (3, 8)]
+    cache = compare_with_unpatched(tiny_mistral(sliding_window=None), *left_pad(prompts), expect_levels=[30])
+    assert cache.prefix is not None
+    cache = compare_with_unpatched(tiny_mistral(sliding_window=24), *left_pad(prompts))
+    assert cache.prefix is None  # the prefix would leave the window: ordinary path
+
+
+def test_two_levels_rows_not_contiguous():
+    model = tiny_llama()
+    few_shot, q1, q2 = tokens(20), tokens(12), tokens(7)
+    prompts = [torch.cat(p) for p in ((few_shot, q1, tokens(2)), (few_shot, q2, tokens(5)), (few_shot, tokens(3)),
+                                      (few_shot, q1, tokens(4)), (few_shot, q2))]
+    cache = compare_with_unpatched(model, *left_pad(prompts), new_tokens=6)
+    level1, level2 = cache.prefix.levels
+    assert level1.width == 20 and level2.groups == 2
+    group = level2.row_group.tolist()
+    assert group[0] == group[3] != group[1] == group[4] and group[2] == -1 and min(group[0], group[1]) == 0
+
+
+def test_num_return_sequences_whole_prompt_shared():
+    model = tiny_llama(dtype=torch.float64)
+    ids, mask = left_pad([tokens(25), tokens(14)])
+    cache = compare_with_unpatched(model, ids, mask, do_sample=True, num_return_sequences=3, seed=3,
+                                   top_k=0, temperature=1.0)
+    level2 = cache.prefix.levels[-1]
+    assert level2.row_group.tolist() == [0, 0, 0, 1, 1, 1]  # each prompt but its last token, held once
+
+
+@pytest.mark.parametrize("case", ["no_prefix", "whole_prompt", "batch_of_one"])
+def test_edge_cases(case):
+    model = tiny_llama()
+    if case == "no_prefix":
+        prompts = [tokens(9), tokens(13)]
+    elif case == "whole_prompt":
+        prompts = [tokens(16)] * 3
+    else:
+        prompts = [tokens(16)]
+    cache = compare_with_unpatched(model, *left_pad(prompts))
+    if case == "no_prefix":
+        assert cache.prefix is None or cache.prefix.levels[0].width < 3
+    else:
+        assert cache.prefix.width == 15
+
+
+def test_prefix_length_changes_between_calls():
+    model = tiny_llama()
+    for length in (33, 12, 50):
+        prefix = tokens(length)
+        prompts = [torch.cat((prefix, tokens(n))) for n in (4, 2, 7)]
+        compare_with_unpatched(model, *left_pad(prompts), new_tokens=5, expect_levels=[length])
+
+
+def test_beams_fall_back():
+    model = tiny_llama()
+    prefix = tokens(20)
+    ids, mask = left_pad([torch.cat((prefix, tokens(3))), torch.cat((prefix, tokens(6)))])
+    cache = compare_with_unpatched(model, ids, mask, new_tokens=4, num_beams=2)
+    assert cache.prefix is None
+
+
+def test_auto_mode_thresholds():
+    model = tiny_llama()
+    prefix = tokens(40)
+    ids, mask = left_pad([torch.cat((prefix, tokens(n))) for n in (4, 2)])
+    with hshare.patched(model, "dense", prefix_min_tokens=41):
+        cache = hshare.new_cache(model)
+        run(model, ids, mask, cache=cache)
+        assert cache.prefix is None
+    with hshare.patched(model, "dense", prefix_min_tokens=40, prefix_min_batch=2):
+        cache = hshare.new_cache(model)
+        run(model, ids, mask, cache=cache)
+        assert cache.prefix.width == 40
+    with hshare.patched(model, "dense", prefix="off"):
+        cache = hshare.new_cache(model)
+        run(model, ids, mask, cache=cache)
+        assert cache.prefix is None
+
+
+# ---- sparse config ----------------------------------------------------------------------------
+@pytest.mark.parametrize("preset,overrides", [("ds", {}), ("hshare-1_2-1_2-1_2", {"plan_scope": "sample"})])
+def test_sparse_own_part_selection_independent_of_sharing(monkeypatch, preset, overrides):
+    """Rows decoded together with their prefix stored once select the same own-part tokens as each
+    row decoded alone with the prefix split at the same point."""
+    model = tiny_llama(dtype=torch.float64)
+    prefix = tokens(30)
+    prompts = [torch.cat((prefix, tokens(n))) for n in (26, 40, 33)]
+    ids, mask = left_pad(prompts)
+    config = dict(sink=2, local=4, heavy=6, prefix="on", **overrides)
+    with hshare.patched(model, preset, **config):
+        cache = hshare.new_cache(model)
+        batch_tokens, _ = run(model, ids, mask, new_tokens=9, cache=cache)
+        assert cache.prefix.width == 30 and cache.stats.sparse_steps > 0
+        own_width = cache.layers[0]._keys.length
+        batch_heavy = {i: cache.layers[i].heavy for i in cache.sparse_layers}
+
+        import hshare.shared_generate as shared_generate
+        real_detect = shared_generate.detect_shared_prefix
+        monkeypatch.setattr(shared_generate, "detect_shared_prefix",
+                            lambda p, *a: real_detect(p, *a).__class__(30, []))
+        for row, prompt in enumerate(prompts):
+            alone = hshare.new_cache(model)
+            row_tokens, _ = run(model, prompt[None], torch.ones(1, len(prompt), dtype=torch.long), new_tokens=9,
+                                cache=alone)
+            assert torch.equal(row_tokens[0, len(prompt):], batch_tokens[row, ids.shape[1]:])
+            offset = own_width - alone.layers[0]._keys.length  # the gap before this row's own part
+            for layer, heavy in batch_heavy.items():
+                mine = heavy[row]
+                shifted = torch.where(mine >= 0, mine - offset, torch.full_like(mine, NO_TOKEN))
+                assert torch.equal(shifted.sort(-1).values, alone.layers[layer].heavy[0].sort(-1).values)
+
+
+def test_sparse_budget_covering_own_part_equals_unpatched():
+    model = tiny_llama()
+    prefix = tokens(50)
+    ids, mask = left_pad([torch.cat((prefix, tokens(n))) for n in (6, 11)])
+    compare_with_unpatched(model, ids, mask, preset="ds", expect_levels=[50])
+
+
+def test_auto_sparse_small_batch_keeps_prefix_in_sparse_context():
+    model = tiny_llama()
+    prefix = tokens(200)
+    ids, mask = left_pad([torch.cat((prefix, tokens(n))) for n in (6, 11)])
+    with hshare.patched(model, "ds", prefix_min_tokens=16):
+        cache = hshare.new_cache(model)
+        run(model, ids, mask, cache=cache)
+    assert cache.prefix is None  # 2 rows: scoring the prefix per row reads fewer bytes than the exact prefix
+    with hshare.patched(model, "dense", prefix_min_tokens=16):
+        cache = hshare.new_cache(model)
+        run(model, ids, mask, cache=cache)
+    assert cache.prefix.width == 200
+
+
+# ---- memory -----------------------------------------------------------------------------------
+def test_prefix_held_once_bytes():
+    model = tiny_llama()
+    prefix = tokens(120)
+    samples, new_tokens = 16, 6
+    ids, mask = left_pad([torch.cat((prefix, tokens(3)))])
+    with hshare.patched(model, "dense", prefix="on"):
+        cache = hshare.new_cache(model)
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=True, num_return_sequences=samples, pad_token_id=0, past_key_values=cache)
+    layers, kv_heads, dim = 4, 2, 16
+    token_bytes = layers * 2 * kv_heads * dim * 4  # K and V, fp32
+    prefix_len = 122  # the whole prompt but its last token
+    own = 1 + new_tokens - 1  # last prompt token + generated tokens but the last (never cached)
+    assert cache.kv_bytes() == (prefix_len + samples * own) * token_bytes
+    assert cache.unshared_kv_bytes() == samples * (prefix_len + own) * token_bytes
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=True, num_return_sequences=samples, pad_token_id=0,
+                           return_dict_in_generate=True).past_key_values
+    plain_bytes = sum(layer.keys.numel() * 4 + layer.values.numel() * 4 for layer in plain.layers)
+    assert plain_bytes == cache.unshared_kv_bytes()
