@@ -10,7 +10,8 @@
   whether this step starts a query group). Dense layers run exact SDPA. Sparse layers append the
   new token's label; at selection steps the layer's source heads score the middle window on labels
   and take the top-k, copying heads and layers reuse their source's columns; then gather-attention
-  over sink + heavy + local, or exact SDPA when every row is within the budget.
+  over sink + heavy + local, or exact SDPA when every row is within the budget or the step is
+  too small for sparse attention to pay (`HShareConfig.dense_fallback_mib`).
 """
 
 from __future__ import annotations
@@ -69,14 +70,16 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         cache.begin_decode_step(valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0])
     if prefix is not None:
         prefix = (prefix[0][:, :, 0], prefix[1][:, :, 0])
-    if not cache.is_sparse_layer(layer_idx):
+    layer = cache.layers[layer_idx]
+    sparse = cache.is_sparse_layer(layer_idx)
+    if sparse:
+        layer.labels.append(key[:, :, layer.labels.length:])
+    if not sparse or cache.state.dense_fallback:
         if prefix is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
         out, _ = gather_attention(query[:, :, 0], key, value, cache.state.own_columns, scaling, prefix)
         return out[:, None], None
-    layer = cache.layers[layer_idx]
-    layer.labels.append(key[:, :, layer.labels.length:])
     windows = cache.state.windows
     if cache.state.selecting:
         layer.heavy = _select_heavy_columns(cache, layer_idx, query)

@@ -107,6 +107,8 @@ class DecodeStats:
     Attributes:
         decode_steps: decode forward passes.
         sparse_steps: decode steps where at least one row attended sparsely.
+        dense_fallback_steps: decode steps run densely because the KV was too small for sparse
+            attention to pay (`HShareConfig.dense_fallback_mib`).
         selection_steps: decode steps that (re)selected critical tokens (query groups).
         score_computations: (row, layer, selection head) triples whose label scores were computed.
         plans: sharing plans built (one per generate when layers or heads share).
@@ -114,6 +116,7 @@ class DecodeStats:
 
     decode_steps: int = 0
     sparse_steps: int = 0
+    dense_fallback_steps: int = 0
     selection_steps: int = 0
     score_computations: int = 0
     plans: int = 0
@@ -146,6 +149,7 @@ class DecodeState:
     last_selection: int | None = None
     selecting: bool = False
     windows: RowWindows | None = None
+    dense_fallback: bool = False
     own_columns: torch.Tensor | None = None
     plan: SharingPlan | None = None
     shares: dict[int, LayerShare] = field(default_factory=dict)
@@ -249,6 +253,11 @@ class HShareCache(Cache):
             state.windows, state.selecting = None, False
             return
         state.windows = RowWindows.build(valid, config.sink, config.local, config.budget)
+        state.dense_fallback = self._layer_kv_bytes(valid) < config.dense_fallback_bytes(valid.device)
+        if state.dense_fallback:  # too small for sparse to pay: exact dense; the next sparse step selects
+            self.stats.dense_fallback_steps += 1
+            state.selecting, state.last_selection = False, None
+            return
         self.stats.sparse_steps += int(not state.windows.all_short)
         if state.plan is None:
             self._plan(batch=valid.shape[0], device=valid.device)
@@ -259,6 +268,11 @@ class HShareCache(Cache):
         if due:
             state.last_selection = state.step
             self.stats.selection_steps += int(config.heavy > 0)
+
+    def _layer_kv_bytes(self, valid: torch.Tensor) -> int:
+        """Bytes of one layer's own keys and values at this step (what dense attention reads)."""
+        keys = self.layers[self.sparse_layers[0]]._keys.storage
+        return valid.shape[0] * valid.shape[1] * keys.shape[1] * keys.shape[3] * keys.element_size() * 2
 
     # ---- the plan -----------------------------------------------------------------------
     def _plan(self, batch: int, device: torch.device) -> None:

@@ -24,6 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 SELECTION_GRANULARITIES = ("kv_head", "query_head")
@@ -31,6 +32,7 @@ PLAN_SCOPES = ("batch", "sample")
 PLANNERS = ("greedy", "random")
 LABEL_BITS = (4, 8, 16)
 PREFIX_MODES = ("auto", "on", "off")
+DEFAULT_DENSE_FALLBACK_MIB = 160.0  # H100: the sparse step loses below ~150 MiB per layer (RESULTS.md)
 
 
 class ConfigError(ValueError):
@@ -91,6 +93,10 @@ class HShareConfig:
             exists, else dynamic), "dynamic" (chosen per row from the prompt's |q_c * k_c|), or a
             path to a calibration JSON written by ``hshare calibrate``.
         seed: seed of the random planner.
+        dense_fallback_mib: decode steps whose per-layer KV (rows x tokens x K and V) is below this
+            many MiB run exact dense attention: there the sparse path's extra kernels cost more than
+            reading all keys (measured on the H100, ``benchmarks/RESULTS.md``). None = auto: 160 on
+            CUDA, 0 elsewhere.
         prefix: shared-prefix attention inside ``generate`` (Hydragen): "auto" stores a prompt
             prefix shared by the rows once when it is worth it (at least `prefix_min_tokens`
             shared tokens and `prefix_min_batch` rows sharing them; with a sparse config also
@@ -118,6 +124,7 @@ class HShareConfig:
     plan_rows: int = 4
     heavy_channels: str = "auto"
     seed: int = 0
+    dense_fallback_mib: float | None = None
     prefix: str = "auto"
     prefix_min_tokens: int = 128
     prefix_min_batch: int = 2
@@ -168,6 +175,12 @@ class HShareConfig:
                 "'dynamic' or the path of a calibration JSON (hshare calibrate)"
             )
         self.seed = _int("seed", self.seed, 0)
+        if self.dense_fallback_mib is not None:
+            if isinstance(self.dense_fallback_mib, bool) or not isinstance(self.dense_fallback_mib, (int, float)) \
+                    or not self.dense_fallback_mib >= 0:
+                raise ConfigError(f"HShareConfig.dense_fallback_mib = {self.dense_fallback_mib!r} is invalid; accepted: "
+                                  "a number of MiB >= 0, or null for the device's default")
+            self.dense_fallback_mib = float(self.dense_fallback_mib)
         self.prefix = _choice("prefix", self.prefix, PREFIX_MODES)
         self.prefix_min_tokens = _int("prefix_min_tokens", self.prefix_min_tokens, 1)
         self.prefix_min_batch = _int("prefix_min_batch", self.prefix_min_batch, 1)
@@ -187,6 +200,13 @@ class HShareConfig:
     @property
     def shares_layers_or_heads(self) -> bool:
         return self.layer_sharing < 1.0 or self.head_sharing < 1.0
+
+    def dense_fallback_bytes(self, device: torch.device) -> float:
+        """The per-layer KV size below which a decode step runs densely on `device`."""
+        mib = self.dense_fallback_mib
+        if mib is None:
+            mib = DEFAULT_DENSE_FALLBACK_MIB if device.type == "cuda" else 0.0
+        return mib * 2**20
 
     def validate_for_model(self, num_layers: int, head_dim: int) -> None:
         """Checks that need the model's shape; raises `ConfigError` naming the field."""

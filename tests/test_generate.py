@@ -230,3 +230,23 @@ def test_pipeline_text_generation():
     hshare.patch(model, "hshare-1_2-1_2-1_2", **SMALL)
     out = generator([prompt, prompt[:40]], max_new_tokens=8, do_sample=False)
     assert len(out) == 2 and out[0][0]["generated_text"].startswith(prompt)
+
+
+def test_dense_fallback_below_threshold_is_exact_and_counted():
+    model = tiny_llama()
+    ids, mask = left_padded([60, 44])
+    ref_tokens, ref_logits = generate_with_logits(model, ids, mask)
+    with hshare.patched(model, "ds", sink=1, local=2, heavy=2, dense_fallback_mib=1.0):
+        cache = hshare.new_cache(model)
+        tokens, logits = generate_with_logits(model, ids, mask, past_key_values=cache)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert cache.stats.dense_fallback_steps == cache.stats.decode_steps and cache.stats.sparse_steps == 0
+    assert cache.stats.score_computations == 0  # no selection while dense
+    # a threshold between the first and the last step: sparse (and selecting) once the KV grows past it
+    layer_bytes = lambda n: 2 * 2 * n * 16 * 4 * 2  # rows x Hkv x tokens x d x fp32 bytes x (K, V)
+    with hshare.patched(model, "ds", sink=1, local=2, heavy=2, dense_fallback_mib=layer_bytes(65) / 2**20):
+        cache = hshare.new_cache(model)
+        generate_with_logits(model, ids, mask, past_key_values=cache)
+    assert cache.stats.dense_fallback_steps == 4 and cache.stats.sparse_steps == 5
+    assert cache.stats.score_computations > 0
