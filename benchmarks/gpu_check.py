@@ -52,6 +52,34 @@ def check_generate(dtype: torch.dtype) -> dict:
     }
 
 
+def check_prefix_generate(dtype: torch.dtype) -> dict:
+    """Shared prefix held once on CUDA: dense config gives the unpatched tokens; sparse runs clean."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048)
+    model = LlamaForCausalLM(config).to("cuda", dtype).eval()
+    prefix = torch.randint(3, 512, (600,), device="cuda")
+    rows = [torch.cat((prefix, torch.randint(3, 512, (n,), device="cuda"))) for n in (5, 90, 1, 33)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, **kwargs)
+    with hshare.patched(model, "dense", prefix="on"):
+        cache = hshare.new_cache(model)
+        shared = model.generate(ids, past_key_values=cache, **kwargs)
+    with hshare.patched(model, "hshare-1_2-1_2-1_2", sink=4, local=16, heavy=40, prefix="on"):
+        sparse_cache = hshare.new_cache(model)
+        out = model.generate(ids, past_key_values=sparse_cache, output_logits=True, return_dict_in_generate=True,
+                             **kwargs)
+    return {"dtype": str(dtype), "prefix_tokens": cache.prefix.width if cache.prefix else 0,
+            "dense_prefix_agreement": float((shared[:, width:] == ref[:, width:]).float().mean()),
+            "sparse_prefix_nan": bool(any(l.isnan().any() for l in out.logits)),
+            "sparse_prefix_steps": sparse_cache.stats.sparse_steps}
+
+
 def time_attention_step(batch=16, heads=32, n=4096, dim=128, budget=512, channels=16, kv_heads=None) -> dict:
     torch.manual_seed(0)
     dt = torch.float16
@@ -105,6 +133,7 @@ def time_attention_step(batch=16, heads=32, n=4096, dim=128, budget=512, channel
 def main() -> int:
     print(torch.cuda.get_device_name(), torch.__version__, "transformers", __import__("transformers").__version__)
     results = {"generate": [check_generate(torch.bfloat16), check_generate(torch.float16)],
+               "prefix_generate": [check_prefix_generate(torch.bfloat16), check_prefix_generate(torch.float16)],
                "attention_step": [time_attention_step(), time_attention_step(batch=8, n=2048, budget=256),
                                   time_attention_step(batch=8, n=1024, budget=128),
                                   time_attention_step(batch=64, n=4096, budget=512, kv_heads=8),
@@ -114,6 +143,9 @@ def main() -> int:
               f"sparse steps {row['sparse_steps']}  agreement {row['agreement']:.2f}")
     print(f"{'shape':<36}{'dense':>8}{'sel.tw':>8}{'scores':>8}{'select':>8}{'same':>6}{'twin':>8}{'triton':>8}"
           f"{'TB/s':>6}{'err':>9}{'ds':>8}{'1/2^3':>8}{'ds x':>6}{'hs x':>6}{'gat x':>6}")
+    for row in results["prefix_generate"]:
+        print(f"{row['dtype']:<16} prefix {row['prefix_tokens']}  dense agreement {row['dense_prefix_agreement']:.3f}  "
+              f"sparse nan {row['sparse_prefix_nan']}  sparse steps {row['sparse_prefix_steps']}")
     for row in results["attention_step"]:
         print(f"{row['shape']:<36}{row['dense_sdpa_us']:>8.1f}{row['selection_twin_us']:>8.1f}"
               f"{row['label_scores_triton_us']:>8.1f}{row['selection_us']:>8.1f}"

@@ -1,4 +1,4 @@
-"""The ``hshare`` command: ``hshare demo``, ``hshare calibrate``, ``hshare presets``."""
+"""The ``hshare`` command: ``hshare demo``, ``calibrate``, ``presets``, ``bench attention|prefix|plot``."""
 
 from __future__ import annotations
 
@@ -42,6 +42,21 @@ def _presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hshare import bench
+
+    if args.what == "plot":
+        if not args.results:
+            raise SystemExit("hshare bench plot RESULTS.json: the results file is missing")
+        print(f"wrote {bench.plot(Path(args.results))}")
+        return 0
+    run = bench.main_attention if args.what == "attention" else bench.main_prefix
+    run(Path(args.out), args.smoke)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hshare", description="HShare sparse decoding for transformers")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -63,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
 
     presets = commands.add_parser("presets", help="list the bundled presets")
     presets.set_defaults(run=_presets)
+
+    bench = commands.add_parser("bench", help="decode attention against dense SDPA (run it on a GPU)")
+    bench.add_argument("what", choices=("attention", "prefix", "plot"))
+    bench.add_argument("results", nargs="?", help="for plot: a results JSON written by a bench")
+    bench.add_argument("--out", default="bench-results", help="directory for the JSON and PNG (default bench-results)")
+    bench.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the bench runs)")
+    bench.set_defaults(run=_bench)
 
     args = parser.parse_args(argv)
     return args.run(args)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hshare.kernels import attention_with_lse_torch, gather_attention_torch, merge_attention_states, \
+from hshare.kernels import attention_with_lse, attention_with_lse_torch, gather_attention_torch, merge_attention_states, \
     shared_prefix_attention
 from hshare.prefix_store import group_membership
 
@@ -105,3 +105,24 @@ def test_group_membership_hand_worked():
     members, row_slot = group_membership(torch.tensor([1, -1, 0, 1, 1]), 2)
     assert members.tolist() == [[2, -1, -1], [0, 3, 4]]
     assert row_slot.tolist() == [3, -1, 0, 4, 5]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (PyTorch's fused kernels)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_cuda_attention_with_lse_matches_twin(dtype, masked):
+    n, heads, rows, length, dim = 3, 4, 37, 1029, 128
+    q = torch.randn(n, heads, rows, dim, device="cuda", dtype=dtype)
+    k = torch.randn(n, heads, length, dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    mask = None
+    if masked:
+        mask = torch.rand(n, 1, rows, length, device="cuda") < 0.7
+        mask[1, :, 5] = False  # a fully masked row
+    out, lse = attention_with_lse(q, k, v, 0.09, mask)
+    ref_out, ref_lse = attention_with_lse_torch(q.float(), k.float(), v.float(), 0.09, mask)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=2e-2)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=1e-3, atol=1e-3)
