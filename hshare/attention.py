@@ -114,7 +114,7 @@ def _own_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     valid = valid_columns_from_mask(attention_mask, batch, own, steps, query.device)  # [B, T, S]
     mask = valid[:, None, None].expand(batch, 1, per_kv, steps, own).reshape(batch, 1, per_kv * steps, own)
     out, lse = attention_with_lse(query.reshape(batch, kv_heads, per_kv * steps, dim), key, value, scaling, mask)
-    out, _ = merge_attention_states(out.view(batch, q_heads, steps, dim), lse.view(batch, q_heads, steps), *prefix)
+    out, _ = merge_attention_states(out.reshape(batch, q_heads, steps, dim), lse.reshape(batch, q_heads, steps), *prefix)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -49,6 +50,32 @@ def time_us(fn: Callable[[], object], device: torch.device) -> float:
         import triton.testing
 
         return triton.testing.do_bench(fn, return_mode="median") * 1e3
+    return _cpu_time_us(fn)
+
+
+def graph_time_us(fn: Callable[[], object], device: torch.device) -> float | None:
+    """GPU time of `fn` replayed as a CUDA graph (no host launch overhead); None off CUDA or when
+    `fn` cannot be captured."""
+    if device.type != "cuda":
+        return None
+    import triton.testing
+
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # noqa: BLE001 - a host sync or allocation inside fn: not capturable
+        return None
+    return triton.testing.do_bench(graph.replay, return_mode="median") * 1e3
+
+
+def _cpu_time_us(fn: Callable[[], object]) -> float:
     fn()
     samples = []
     for _ in range(5):
@@ -70,10 +97,12 @@ def dense_sdpa_us(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str
         def run(backend=backend):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-        try:
-            run()
-        except RuntimeError:
-            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # backends that cannot run this shape explain why at length
+            try:
+                run()
+            except RuntimeError:
+                continue
         times[backend.name.lower()] = time_us(run, q.device)
     return times
 
@@ -94,6 +123,9 @@ class AttentionRow:
     step_us: float
     speedup: float
     gather_tbps: float
+    dense_graph_us: float | None
+    step_graph_us: float | None
+    speedup_graph: float | None
 
 
 def bench_attention(shapes, dtype=torch.float16, device="cuda", budget_ratio=8, layers=32,
@@ -109,6 +141,7 @@ def bench_attention(shapes, dtype=torch.float16, device="cuda", budget_ratio=8, 
         v = torch.randn_like(k)
         dense = dense_sdpa_us(q, k, v)
         fastest = min(dense, key=dense.get)
+        dense_graph = _dense_graph_us(q, k, v, fastest)
         kv_bytes = k.numel() * k.element_size() * 2
         for preset in presets:
             config = HShareConfig.from_preset(preset)
@@ -119,6 +152,9 @@ def bench_attention(shapes, dtype=torch.float16, device="cuda", budget_ratio=8, 
             row = _bench_preset(q, k, v, config, layers)
             fallback = kv_bytes < config.dense_fallback_bytes(device)
             step = dense[fastest] + row["append_us"] if fallback else row["step_us"]
+            step_graph = row["step_graph_us"]
+            if fallback and step_graph is not None and dense_graph is not None:
+                step_graph = dense_graph + row["append_graph_us"]
             rows.append(AttentionRow(
                 shape=f"B{batch} {q_heads}/{kv_heads} n{n} N_c{budget}", kv_mib_per_layer=kv_bytes / 2**20,
                 dense_us=dense, fastest_dense=fastest, preset=preset, path="dense fallback" if fallback else "sparse",
@@ -126,6 +162,8 @@ def bench_attention(shapes, dtype=torch.float16, device="cuda", budget_ratio=8, 
                 selecting_fraction=row["fraction"], gather_us=row["gather_us"], step_us=step,
                 speedup=dense[fastest] / step,
                 gather_tbps=batch * kv_heads * budget * dim * k.element_size() * 2 / row["gather_us"] / 1e6,
+                dense_graph_us=dense_graph, step_graph_us=step_graph,
+                speedup_graph=dense_graph / step_graph if dense_graph and step_graph else None,
             ))
     return rows
 
@@ -145,6 +183,7 @@ def _bench_preset(q, k, v, config: HShareConfig, layers: int) -> dict:
         labels.crop(n - 1)
 
     append_us = time_us(append, device)  # leaves n - 1 labels
+    append_graph_us = graph_time_us(append, device)
     labels.append(new_key)
     valid = torch.ones(batch, n, dtype=torch.bool, device=device)
     windows = RowWindows.build(valid, config.sink, config.local, config.budget)
@@ -176,7 +215,24 @@ def _bench_preset(q, k, v, config: HShareConfig, layers: int) -> dict:
     }
     times["step_us"] = (times["append_us"] + times["windows_us"] / layers + fraction * times["selection_us"]
                         + times["gather_us"])
+    graphs = [append_graph_us, graph_time_us(select, device), graph_time_us(attend, device)]
+    times["append_graph_us"] = append_graph_us
+    times["step_graph_us"] = None
+    if all(t is not None for t in graphs):  # windows: once per step for all layers, eager share
+        times["step_graph_us"] = graphs[0] + times["windows_us"] / layers + fraction * graphs[1] + graphs[2]
     return times
+
+
+def _dense_graph_us(q, k, v, backend_name: str) -> float | None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name.upper())
+
+    def run():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+
+    return graph_time_us(run, q.device)
 
 
 @dataclass
@@ -191,6 +247,8 @@ class PrefixRow:
     own_part_us: float
     speedup: float
     max_abs_err: float
+    dense_graph_us: float | None
+    shared_graph_us: float | None
 
 
 def bench_prefix(shapes, own=256, q_heads=32, kv_heads=8, dim=128, dtype=torch.bfloat16,
@@ -220,9 +278,10 @@ def bench_prefix(shapes, own=256, q_heads=32, kv_heads=8, dim=128, dtype=torch.b
         full_v = torch.cat((prefix_v.expand(batch, -1, -1, -1), own_v), 2)
         dense = dense_sdpa_us(q, full_k, full_v)
         fastest = min(dense, key=dense.get)
-        reference = F.scaled_dot_product_attention(q.float(), full_k.float(), full_v.float(), enable_gqa=True)[:, :, 0]
-        err = float((shared().float() - reference).abs().max())
-        del full_k, full_v
+        checked = slice(0, 4)  # fp32 reference on a few rows (B256 P8k would need 33 GiB)
+        reference = F.scaled_dot_product_attention(q[checked].float(), full_k[checked].float(),
+                                                   full_v[checked].float(), enable_gqa=True)[:, :, 0]
+        err = float((shared()[checked].float() - reference).abs().max())
         partial = prefix_part()
         shared_time = time_us(shared, device)
         rows.append(PrefixRow(
@@ -231,7 +290,9 @@ def bench_prefix(shapes, own=256, q_heads=32, kv_heads=8, dim=128, dtype=torch.b
             own_part_us=time_us(lambda: gather_attention(q[:, :, 0], own_k, own_v, own_columns, scale,
                                                          (partial[0][:, :, 0], partial[1][:, :, 0])), device),
             speedup=dense[fastest] / shared_time, max_abs_err=err,
+            dense_graph_us=_dense_graph_us(q, full_k, full_v, fastest), shared_graph_us=graph_time_us(shared, device),
         ))
+        del full_k, full_v
     return rows
 
 
@@ -266,19 +327,23 @@ def prefix_memory(samples=128, prompt=4096, new_tokens=256, device="cuda", dtype
 # ---- output -------------------------------------------------------------------------------------
 def print_attention(rows: list[AttentionRow]) -> None:
     print(f"{'shape':<30}{'KV MiB':>8}{'dense':>8} {'backend':<10}{'preset':<22}{'path':<16}{'append':>8}"
-          f"{'select':>8}{'x frac':>7}{'gather':>8}{'TB/s':>6}{'step':>8}{'vs dense':>9}")
+          f"{'select':>8}{'x frac':>7}{'gather':>8}{'TB/s':>6}{'step':>8}{'vs dense':>9}{'graph: dense':>13}"
+          f"{'step':>8}{'vs dense':>9}")
     for r in rows:
         print(f"{r.shape:<30}{r.kv_mib_per_layer:>8.0f}{r.dense_us[r.fastest_dense]:>8.1f} {r.fastest_dense:<10}"
               f"{r.preset:<22}{r.path:<16}{r.append_us:>8.1f}{r.selection_us:>8.1f}{r.selecting_fraction:>7.3f}"
-              f"{r.gather_us:>8.1f}{r.gather_tbps:>6.2f}{r.step_us:>8.1f}{r.speedup:>8.2f}x")
+              f"{r.gather_us:>8.1f}{r.gather_tbps:>6.2f}{r.step_us:>8.1f}{r.speedup:>8.2f}x"
+              + (f"{r.dense_graph_us:>13.1f}{r.step_graph_us:>8.1f}{r.speedup_graph:>8.2f}x"
+                 if r.speedup_graph else ""))
 
 
 def print_prefix(rows: list[PrefixRow], memory: dict | None) -> None:
     print(f"{'B':>5}{'P':>7}{'own':>5}{'dense':>9} {'backend':<10}{'shared':>8}{'prefix':>8}{'own':>8}"
-          f"{'speed-up':>9}{'max err':>9}")
+          f"{'speed-up':>9}{'max err':>9}{'graph: dense':>13}{'shared':>8}")
     for r in rows:
         print(f"{r.batch:>5}{r.prefix:>7}{r.own:>5}{r.dense_us[r.fastest_dense]:>9.1f} {r.fastest_dense:<10}"
-              f"{r.shared_us:>8.1f}{r.prefix_part_us:>8.1f}{r.own_part_us:>8.1f}{r.speedup:>8.2f}x{r.max_abs_err:>9.1e}")
+              f"{r.shared_us:>8.1f}{r.prefix_part_us:>8.1f}{r.own_part_us:>8.1f}{r.speedup:>8.2f}x{r.max_abs_err:>9.1e}"
+              + (f"{r.dense_graph_us:>13.1f}{r.shared_graph_us:>8.1f}" if r.dense_graph_us and r.shared_graph_us else ""))
     if memory:
         print(f"KV for {memory['samples']} samples of a {memory['prompt']}-token prompt + {memory['new_tokens']} new: "
               f"DynamicCache {memory['dynamic_cache_bytes'] / 2**20:.1f} MiB, hshare "

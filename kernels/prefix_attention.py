@@ -109,9 +109,9 @@ def shared_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: tor
     folded = folded.reshape(groups, kv_heads, width * per_kv * steps, dim)  # GEMM rows: (row, head, step)
     mask = None if key_valid is None else key_valid[:, None, None, :]
     out, lse = attention_with_lse(folded, keys, values, scale, mask)
-    out = out.view(groups, kv_heads, width, per_kv, steps, dim).permute(0, 2, 1, 3, 4, 5)
+    out = out.reshape(groups, kv_heads, width, per_kv, steps, dim).permute(0, 2, 1, 3, 4, 5)
     out = out.reshape(groups * width, q_heads, steps, dim)
-    lse = lse.view(groups, kv_heads, width, per_kv, steps).permute(0, 2, 1, 3, 4).reshape(groups * width, q_heads,
+    lse = lse.reshape(groups, kv_heads, width, per_kv, steps).permute(0, 2, 1, 3, 4).reshape(groups * width, q_heads,
                                                                                              steps)
     in_level = (row_slot >= 0)[:, None, None]
     slot = row_slot.clamp(min=0)
