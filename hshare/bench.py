@@ -126,6 +126,7 @@ class AttentionRow:
     dense_graph_us: float | None
     step_graph_us: float | None
     speedup_graph: float | None
+    components_graph_us: dict | None
 
 
 def bench_attention(shapes, dtype=torch.float16, device="cuda", budget_ratio=8, layers=32,
@@ -164,6 +165,7 @@ def bench_attention(shapes, dtype=torch.float16, device="cuda", budget_ratio=8, 
                 gather_tbps=batch * kv_heads * budget * dim * k.element_size() * 2 / row["gather_us"] / 1e6,
                 dense_graph_us=dense_graph, step_graph_us=step_graph,
                 speedup_graph=dense_graph / step_graph if dense_graph and step_graph else None,
+                components_graph_us=row["components_graph_us"],
             ))
     return rows
 
@@ -217,6 +219,7 @@ def _bench_preset(q, k, v, config: HShareConfig, layers: int) -> dict:
                         + times["gather_us"])
     graphs = [append_graph_us, graph_time_us(select, device), graph_time_us(attend, device)]
     times["append_graph_us"] = append_graph_us
+    times["components_graph_us"] = dict(zip(("append", "selection", "indices_and_gather"), graphs))
     times["step_graph_us"] = None
     if all(t is not None for t in graphs):  # windows: once per step for all layers, eager share
         times["step_graph_us"] = graphs[0] + times["windows_us"] / layers + fraction * graphs[1] + graphs[2]

@@ -31,21 +31,27 @@ class GrowingBuffer:
 
     def append(self, new: torch.Tensor) -> torch.Tensor:
         """Append ``[B, H, t, ...]`` tokens; returns the view of all tokens."""
-        needed = self.length + new.shape[2]
-        if self.storage is None or needed > self.capacity or self.storage.shape[:2] != new.shape[:2]:
-            if self.storage is not None and self.storage.shape[:2] != new.shape[:2] and self.length:
+        self.claim(tuple(new.shape[:2]), new.shape[2], tuple(new.shape[3:]), new.dtype, new.device).copy_(new)
+        return self.view()
+
+    def claim(self, batch_heads: tuple[int, int], tokens: int, tail: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        """Grow by `tokens` and return the ``[B, H, tokens, *tail]`` view to write them into (a kernel
+        writes new tokens straight into the storage)."""
+        needed = self.length + tokens
+        if self.storage is None or needed > self.capacity or self.storage.shape[:2] != batch_heads:
+            if self.storage is not None and self.storage.shape[:2] != batch_heads and self.length:
                 raise ValueError(
-                    f"cannot append tokens of batch/heads {tuple(new.shape[:2])} to a buffer holding "
+                    f"cannot append tokens of batch/heads {batch_heads} to a buffer holding "
                     f"{tuple(self.storage.shape[:2])}"
                 )
             capacity = -(-int(needed * (1 + _HEADROOM)) // _GRANULE) * _GRANULE
-            grown = torch.empty((*new.shape[:2], capacity, *new.shape[3:]), dtype=new.dtype, device=new.device)
+            grown = torch.empty((*batch_heads, capacity, *tail), dtype=dtype, device=device)
             if self.length:
                 grown[:, :, : self.length] = self.storage[:, :, : self.length]
             self.storage = grown
-        self.storage[:, :, self.length : needed] = new
-        self.length = needed
-        return self.view()
+        start, self.length = self.length, needed
+        return self.storage[:, :, start:needed]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep (or repeat / reorder) batch rows: beam search, ``batch_select_indices``."""

@@ -98,12 +98,16 @@ class HShareConfig:
             reading all keys (measured on the H100, ``benchmarks/RESULTS.md``). None = auto: 160 on
             CUDA, 0 elsewhere.
         prefix: shared-prefix attention inside ``generate`` (Hydragen): "auto" stores a prompt
-            prefix shared by the rows once when it is worth it (at least `prefix_min_tokens`
-            shared tokens and `prefix_min_batch` rows sharing them; with a sparse config also
-            when reading the prefix once per step costs no more than the rows' sparse budgets),
-            "on" whenever any prefix is shared, "off" never.
+            prefix shared by the rows once when it pays (at least `prefix_min_tokens` shared
+            tokens, `prefix_min_batch` rows sharing them and `prefix_min_saved_tokens` token reads
+            saved per step; with a sparse config also when reading the prefix exactly once per step
+            costs no more than scoring it for every row), "on" whenever any prefix is shared (the
+            KV memory saving alone), "off" never.
         prefix_min_tokens: shortest prefix (level 1) or group extension (level 2) stored once.
         prefix_min_batch: fewest rows that must share a level for "auto" to store it once.
+        prefix_min_saved_tokens: fewest KV token reads per layer and step, (rows - 1) x shared
+            tokens, a level must save for "auto": the batched prefix product and the LSE merge cost
+            about what dense attention spends on ~48k GQA tokens on the H100 (RESULTS.md).
         prefix_levels: 1 (one prefix for all rows) or 2 (plus groups of rows sharing more, e.g. the
             samples of each question after a common few-shot prefix).
     """
@@ -126,8 +130,9 @@ class HShareConfig:
     seed: int = 0
     dense_fallback_mib: float | None = None
     prefix: str = "auto"
-    prefix_min_tokens: int = 128
+    prefix_min_tokens: int = 256
     prefix_min_batch: int = 2
+    prefix_min_saved_tokens: int = 49152
     prefix_levels: int = 2
     name: str = field(default="custom", compare=False)
 
@@ -184,6 +189,7 @@ class HShareConfig:
         self.prefix = _choice("prefix", self.prefix, PREFIX_MODES)
         self.prefix_min_tokens = _int("prefix_min_tokens", self.prefix_min_tokens, 1)
         self.prefix_min_batch = _int("prefix_min_batch", self.prefix_min_batch, 1)
+        self.prefix_min_saved_tokens = _int("prefix_min_saved_tokens", self.prefix_min_saved_tokens, 0)
         self.prefix_levels = _int("prefix_levels", self.prefix_levels, 1, 2)
 
     # ---- derived quantities -------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hshare.buffer import GrowingBuffer
-from hshare.kernels import label_scores, quantize_labels, score_heads
+from hshare.kernels import append_labels, label_scores, label_storage_dtype, score_heads
 
 
 class LabelCache:
@@ -38,19 +38,21 @@ class LabelCache:
     def length(self) -> int:
         return self.codes.length
 
-    def _kv_of_sel(self, device: torch.device) -> torch.Tensor:
-        return torch.arange(self.sel_heads, device=device) * self.kv_heads // self.sel_heads
-
     def append(self, new_keys: torch.Tensor) -> None:
-        """Quantize and append the labels of new keys ``[B, Hkv, t, d]``."""
+        """Quantize and append the labels of new keys ``[B, Hkv, t, d]`` (written in place)."""
         batch, _, tokens, _ = new_keys.shape
-        keys = new_keys.index_select(1, self._kv_of_sel(new_keys.device))  # [B, H_sel, t, d]
-        channels = self.channels[:, :, None, :].expand(batch, -1, tokens, -1)
-        codes, scale, zero = quantize_labels(keys.gather(-1, channels), self.bits)
-        self.codes.append(codes)
-        if scale is not None:
-            self.scale.append(scale)
-            self.zero.append(zero)
+        shape, device = (batch, self.sel_heads), new_keys.device
+        store = label_storage_dtype(new_keys.dtype)
+        if self.bits == 16:
+            width, code_dtype = self.channels.shape[-1], torch.bfloat16 if store == torch.bfloat16 else torch.float16
+        else:
+            width, code_dtype = self.channels.shape[-1] * self.bits // 8, torch.uint8
+        codes = self.codes.claim(shape, tokens, (width,), code_dtype, device)
+        scale = zero = None
+        if self.bits != 16:
+            scale = self.scale.claim(shape, tokens, (), store, device)
+            zero = self.zero.claim(shape, tokens, (), store, device)
+        append_labels(new_keys, self.channels, self.bits, codes, scale, zero)
 
     def query_labels(self, query: torch.Tensor) -> torch.Tensor:
         """Heavy channels of queries per selection head.

@@ -76,7 +76,8 @@ def _common_length(a: torch.Tensor, b: torch.Tensor, cap: int) -> int:
     return int(differs[0]) if len(differs) else cap
 
 
-def detect_shared_prefix(prompts: list[torch.Tensor], min_tokens: int, min_rows: int, levels: int) -> SharedPrefix:
+def detect_shared_prefix(prompts: list[torch.Tensor], min_tokens: int, min_rows: int, levels: int,
+                         min_saved: int = 0) -> SharedPrefix:
     """Prefix levels of a batch of unpadded prompts.
 
     Args:
@@ -84,6 +85,7 @@ def detect_shared_prefix(prompts: list[torch.Tensor], min_tokens: int, min_rows:
         min_tokens: shortest level-1 prefix and shortest level-2 extension worth storing once.
         min_rows: fewest rows that must share level 1 (level-2 groups need >= max(2, min_rows)).
         levels: 1 or 2.
+        min_saved: fewest token reads a level must save per step: (rows - 1) x its length.
 
     Returns:
         `SharedPrefix`; every row keeps at least one own token.
@@ -93,7 +95,7 @@ def detect_shared_prefix(prompts: list[torch.Tensor], min_tokens: int, min_rows:
     common = cap
     for prompt in prompts[1:]:
         common = _common_length(prompts[0], prompt, common)
-    if common < min_tokens or batch < min_rows:
+    if common < min_tokens or batch < min_rows or (batch - 1) * common < min_saved:
         common = 0
     groups: list[tuple[list[int], int]] = []
     if levels >= 2 and batch >= 2:
@@ -102,7 +104,7 @@ def detect_shared_prefix(prompts: list[torch.Tensor], min_tokens: int, min_rows:
         run, run_length = [order[0]], None
 
         def close() -> None:
-            if len(run) >= max(2, min_rows):
+            if len(run) >= max(2, min_rows) and (len(run) - 1) * run_length >= min_saved:
                 groups.append((sorted(run), run_length))
 
         for prev, cur in zip(order, order[1:]):

@@ -57,7 +57,8 @@ def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple
         return None
     forced = config.prefix == "on"
     shared = detect_shared_prefix(prompts, 1 if forced else config.prefix_min_tokens,
-                                  1 if forced else config.prefix_min_batch, config.prefix_levels)
+                                  1 if forced else config.prefix_min_batch, config.prefix_levels,
+                                  0 if forced else config.prefix_min_saved_tokens)
     if shared.empty:
         return None
     keys_per_token = 2 * cache.kv_heads * (model.config.hidden_size // model.config.num_attention_heads)

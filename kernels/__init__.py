@@ -6,11 +6,12 @@ Triton kernels for CUDA tensors sit beside their twins.
 from __future__ import annotations
 
 from .gather_attention import gather_attention, gather_attention_torch
-from .labels import dequantize_labels, label_scores, label_storage_dtype, quantize_labels, score_heads
+from .labels import append_labels, dequantize_labels, label_scores, label_storage_dtype, quantize_labels, score_heads
 from .merge import merge_attention_states
 from .prefix_attention import attention_with_lse, attention_with_lse_torch, shared_prefix_attention
 
 __all__ = [
+    "append_labels",
     "attention_with_lse",
     "attention_with_lse_torch",
     "dequantize_labels",

@@ -74,3 +74,85 @@ def score_heads_triton(query_labels: torch.Tensor, codes: torch.Tensor, scale: t
         HEADS=n_heads, R=channels, BITS=bits, BLOCK=BLOCK_T,
     )
     return out
+
+
+@triton.jit
+def _append_labels(
+    keys_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr,
+    s_kb, s_kh, s_kt, s_chp, s_chh, s_cb, s_ch, s_ct, s_sb, s_sh, s_st, s_zb, s_zh, s_zt,
+    SEL_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, R: tl.constexpr,
+    BITS: tl.constexpr, LEVELS: tl.constexpr, STORE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    token = tl.program_id(1).to(tl.int64)
+    row = (pid // SEL_HEADS).to(tl.int64)
+    head = pid % SEL_HEADS
+    kv_head = (head * KV_HEADS // SEL_HEADS).to(tl.int64)
+    chan_base = channels_ptr + head * s_chh
+    if PER_ROW_CHANNELS:
+        chan_base += row * s_chp
+    key_base = keys_ptr + row * s_kb + kv_head * s_kh + token * s_kt
+    half = tl.arange(0, R // 2)
+    even = tl.load(key_base + tl.load(chan_base + 2 * half)).to(tl.float32)
+    odd = tl.load(key_base + tl.load(chan_base + 2 * half + 1)).to(tl.float32)
+    low = tl.minimum(tl.min(even, 0), tl.min(odd, 0))
+    high = tl.maximum(tl.max(even, 0), tl.max(odd, 0))
+    scale = (high - low) / LEVELS
+    if STORE == 2:  # quantize with the scale and zero that will be stored (as the twin)
+        scale = _round_to_bf16(scale)
+        low = _round_to_bf16(low)
+    elif STORE == 1:
+        scale = scale.to(tl.float16).to(tl.float32)
+        low = low.to(tl.float16).to(tl.float32)
+    safe = tl.where(scale > 0, scale, 1.0)
+    code_even = _round_half_even((even - low) / safe, LEVELS)
+    code_odd = _round_half_even((odd - low) / safe, LEVELS)
+    out_base = codes_ptr + row * s_cb + head * s_ch + token * s_ct
+    if BITS == 4:
+        tl.store(out_base + half, (code_even | (code_odd << 4)).to(tl.uint8))
+    else:
+        tl.store(out_base + 2 * half, code_even.to(tl.uint8))
+        tl.store(out_base + 2 * half + 1, code_odd.to(tl.uint8))
+    tl.store(scale_ptr + row * s_sb + head * s_sh + token * s_st, scale.to(scale_ptr.dtype.element_ty))
+    tl.store(zero_ptr + row * s_zb + head * s_zh + token * s_zt, low.to(zero_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 -> nearest bf16 (ties to even), kept in fp32; by bits, so that Triton's CPU interpreter
+    (which truncates on a bf16 cast) and the GPU agree with torch."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_half_even(x, LEVELS: tl.constexpr):
+    """torch.round (ties to even), clamped to [0, LEVELS], as int32."""
+    rounded = tl.floor(x + 0.5)
+    tie = (rounded - x) == 0.5
+    odd = (rounded - 2.0 * tl.floor(rounded * 0.5)) == 1.0
+    rounded = tl.where(tie & odd, rounded - 1.0, rounded)
+    return tl.minimum(tl.maximum(rounded, 0.0), LEVELS).to(tl.int32)
+
+
+def append_labels_triton(new_keys: torch.Tensor, channels: torch.Tensor, bits: int, codes_out: torch.Tensor,
+                         scale_out: torch.Tensor, zero_out: torch.Tensor) -> None:
+    """Same contract as `labels.append_labels` for 4 and 8 bits; r even; keys fp16/bf16/fp32."""
+    batch, kv_heads, tokens, _ = new_keys.shape
+    per_row, sel_heads, r = channels.shape
+    if r % 2:
+        raise ValueError(f"label_channels {r} is odd; accepted by the Triton kernel: even counts")
+    if r & (r - 1):
+        raise ValueError(f"label_channels {r} is not supported by the Triton kernel; accepted: powers of two")
+    if new_keys.stride(-1) != 1:
+        new_keys = new_keys.contiguous()
+    channels = channels.contiguous()
+    _append_labels[(batch * sel_heads, tokens)](
+        new_keys, channels, codes_out, scale_out, zero_out,
+        new_keys.stride(0), new_keys.stride(1), new_keys.stride(2), channels.stride(0), channels.stride(1),
+        codes_out.stride(0), codes_out.stride(1), codes_out.stride(2), scale_out.stride(0), scale_out.stride(1),
+        scale_out.stride(2), zero_out.stride(0), zero_out.stride(1), zero_out.stride(2),
+        SEL_HEADS=sel_heads, KV_HEADS=kv_heads, PER_ROW_CHANNELS=per_row > 1, R=r, BITS=bits,
+        LEVELS=(1 << bits) - 1, STORE={torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[scale_out.dtype],
+    )

@@ -19,6 +19,7 @@ import torch
 from .dispatch import use_fused
 
 _TWIN_CHUNK_ELEMENTS = 1 << 26  # logits materialised at once by the twin (fp32: 256 MiB)
+_MIN_SPLIT_KEYS = 512  # shortest key range of one flash-decoding split
 
 
 def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -61,12 +62,37 @@ def attention_with_lse_torch(query: torch.Tensor, keys: torch.Tensor, values: to
     return torch.cat(outs, dim=2).to(query.dtype), torch.cat(lses, dim=2)
 
 
+def _flash_splits(query: torch.Tensor, length: int) -> int:
+    """Key splits that give flash attention about two waves of programs (flash-decoding): a long
+    shared prefix read by few (batch, head) pairs would otherwise run on a few SMs."""
+    programs = query.shape[0] * query.shape[1] * -(-query.shape[2] // 128)
+    wanted = -(-2 * torch.cuda.get_device_properties(query.device).multi_processor_count // programs)
+    return max(1, min(wanted, length // _MIN_SPLIT_KEYS))
+
+
 def _attention_with_lse_cuda(query, keys, values, scale, mask):
     rows = query.shape[2]
     if mask is None:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, keys, values, 0.0, False, False,
+        n, heads, length, dim = keys.shape
+        splits = _flash_splits(query, length)
+        if splits == 1:
+            return torch.ops.aten._scaled_dot_product_flash_attention(query, keys, values, 0.0, False, False,
                                                                       scale=scale)[:2]
-        return out, lse
+        chunk = -(-length // splits)
+        starts = range(0, length, chunk)
+        outs, lses = [], []
+        for start in starts:  # each split is a batch entry of one flash call would need equal lengths;
+            stop = min(length, start + chunk)  # the last split may be shorter: one call per split
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                query, keys[:, :, start:stop], values[:, :, start:stop], 0.0, False, False, scale=scale)[:2]
+            outs.append(out)
+            lses.append(lse)
+        lse = torch.stack(lses)  # [S, N, H, R]
+        top = lse.max(0).values
+        weight = torch.exp(lse - top)
+        total = weight.sum(0)
+        out = (torch.stack(outs).float() * weight[..., None]).sum(0) / total[..., None]
+        return out.to(query.dtype), top + torch.log(total)
     # memory-efficient attention takes an additive bias; its last dim must be 16-aligned in memory
     n, heads, _, length = query.shape[0], query.shape[1], rows, keys.shape[2]
     padded = -(-length // 16) * 16

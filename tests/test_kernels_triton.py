@@ -71,3 +71,66 @@ def test_score_heads_triton_matches_reference(bits, n):
         for j, head in enumerate(heads[i].tolist()):
             ref = keys[row, head] @ q[i, j].double()
             torch.testing.assert_close(got[i, j].double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,sel_heads,per_row", [(2, 2, False), (2, 4, True), (1, 3, False)])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_append_labels_triton_matches_twin_exactly(bits, dtype, kv_heads, sel_heads, per_row, tokens):
+    from hshare.kernels.labels import append_labels, label_storage_dtype
+    from hshare.kernels.labels_triton import append_labels_triton
+
+    if sel_heads == 3:
+        sel_heads = 2  # MQA: two selection heads read the one KV head
+    batch, dim, r = 3, 32, 8
+    keys_storage = torch.randn(batch, kv_heads, tokens + 5, dim, device=DEVICE).to(dtype)
+    keys = keys_storage[:, :, 2:2 + tokens]  # strided view, as the cache hands them
+    keys[0, 0, 0, :] = 0.25  # a constant label: scale 0
+    channels = torch.stack([torch.randperm(dim, device=DEVICE)[:r] for _ in range((batch if per_row else 1) * sel_heads)])
+    channels = channels.reshape(-1, sel_heads, r)
+    store = label_storage_dtype(dtype)
+    outs = []
+    for fn in (append_labels_triton, None):
+        codes = torch.full((batch, sel_heads, tokens + 4, r * bits // 8), 77, dtype=torch.uint8, device=DEVICE)
+        scale = torch.full((batch, sel_heads, tokens + 4), 9.0, dtype=store, device=DEVICE)
+        zero = torch.full_like(scale, 9.0)
+        views = codes[:, :, 1:1 + tokens], scale[:, :, 1:1 + tokens], zero[:, :, 1:1 + tokens]
+        if fn is None:
+            import os
+            os.environ["HSHARE_KERNELS"] = "torch"
+            try:
+                append_labels(keys, channels, bits, *views)
+            finally:
+                del os.environ["HSHARE_KERNELS"]
+        else:
+            fn(keys, channels, bits, *views)
+        outs.append((codes, scale, zero))
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)  # same codes, scale and zero, nothing written outside the tokens
+
+
+@pytest.mark.slow  # ~40 s in the interpreter
+@pytest.mark.parametrize("preset,prefix", [("ds", "off"), ("hshare-1_2-1_2-1_2", "on")])
+def test_generate_same_with_kernels_and_twins(monkeypatch, preset, prefix):
+    """A patched generate routed through every Triton kernel (interpreter on CPU) gives the twins'
+    tokens and logits: label append, label scores, gather-attention (with the prefix partial)."""
+    import hshare
+    from conftest import tiny_llama, VOCAB
+
+    model = tiny_llama().to(DEVICE)
+    shared = torch.randint(3, VOCAB, (20,))
+    rows = [torch.cat((shared, torch.randint(3, VOCAB, (n,)))) for n in (30, 41)]
+    ids = torch.zeros(2, 61, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, 61 - len(r):], mask[i, 61 - len(r):] = r, 1
+    results = []
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("HSHARE_KERNELS", mode)
+        with hshare.patched(model, preset, sink=2, local=4, heavy=6, prefix=prefix):
+            out = model.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=5, min_new_tokens=5,
+                                 do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        results.append((out.sequences, torch.stack(out.logits, 1)))
+    assert torch.equal(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-3, atol=1e-3)

@@ -63,6 +63,9 @@ def test_detection_hand_worked():
     assert detect_shared_prefix(prompts, min_tokens=1, min_rows=5, levels=1).empty
     same = [t([4, 4, 4, 4])] * 3
     assert detect_shared_prefix(same, 1, 1, 2).common == 3  # whole prompt but its last token
+    # token reads saved per step: (3 rows - 1) x 3 = 6
+    assert detect_shared_prefix(same, 1, 1, 2, min_saved=6).common == 3
+    assert detect_shared_prefix(same, 1, 1, 2, min_saved=7).empty
 
 
 def test_layout_keeps_positions_and_tokens():
@@ -156,11 +159,15 @@ def test_auto_mode_thresholds():
     model = tiny_llama()
     prefix = tokens(40)
     ids, mask = left_pad([torch.cat((prefix, tokens(n))) for n in (4, 2)])
-    with hshare.patched(model, "dense", prefix_min_tokens=41):
+    with hshare.patched(model, "dense", prefix_min_tokens=40):  # saves 40 token reads per step: too few
         cache = hshare.new_cache(model)
         run(model, ids, mask, cache=cache)
         assert cache.prefix is None
-    with hshare.patched(model, "dense", prefix_min_tokens=40, prefix_min_batch=2):
+    with hshare.patched(model, "dense", prefix_min_tokens=41, prefix_min_saved_tokens=0):
+        cache = hshare.new_cache(model)
+        run(model, ids, mask, cache=cache)
+        assert cache.prefix is None
+    with hshare.patched(model, "dense", prefix_min_tokens=40, prefix_min_batch=2, prefix_min_saved_tokens=40):
         cache = hshare.new_cache(model)
         run(model, ids, mask, cache=cache)
         assert cache.prefix.width == 40
@@ -214,11 +221,11 @@ def test_auto_sparse_small_batch_keeps_prefix_in_sparse_context():
     model = tiny_llama()
     prefix = tokens(200)
     ids, mask = left_pad([torch.cat((prefix, tokens(n))) for n in (6, 11)])
-    with hshare.patched(model, "ds", prefix_min_tokens=16):
+    with hshare.patched(model, "ds", prefix_min_tokens=16, prefix_min_saved_tokens=0):
         cache = hshare.new_cache(model)
         run(model, ids, mask, cache=cache)
     assert cache.prefix is None  # 2 rows: scoring the prefix per row reads fewer bytes than the exact prefix
-    with hshare.patched(model, "dense", prefix_min_tokens=16):
+    with hshare.patched(model, "dense", prefix_min_tokens=16, prefix_min_saved_tokens=0):
         cache = hshare.new_cache(model)
         run(model, ids, mask, cache=cache)
     assert cache.prefix.width == 200
