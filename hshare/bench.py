@@ -299,7 +299,8 @@ def bench_prefix(shapes, own=256, q_heads=32, kv_heads=8, dim=128, dtype=torch.b
     return rows
 
 
-def prefix_memory(samples=128, prompt=4096, new_tokens=256, device="cuda", dtype=torch.bfloat16) -> dict:
+def prefix_memory(samples=128, prompt=4096, new_tokens=256, device="cuda", dtype=torch.bfloat16,
+                  prefix="auto") -> dict:
     """KV bytes of a patched generate (prefix held once) against transformers' DynamicCache, for
     `samples` sampled continuations of one `prompt`-token prompt (a random 2-layer Llama-3-shaped
     model: bytes per token scale with layers, the ratio does not)."""
@@ -318,7 +319,7 @@ def prefix_memory(samples=128, prompt=4096, new_tokens=256, device="cuda", dtype
     plain = model.generate(ids, return_dict_in_generate=True, **kwargs).past_key_values
     dynamic = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in plain.layers)
     del plain
-    with hshare.patched(model, "dense"):
+    with hshare.patched(model, "dense", prefix=prefix):
         cache = hshare.new_cache(model)
         model.generate(ids, past_key_values=cache, **kwargs)
     held = cache.kv_bytes()
@@ -431,7 +432,8 @@ def main_prefix(out: Path, smoke: bool) -> dict:
     if smoke:
         rows = bench_prefix(SMOKE_PREFIX_SHAPES, own=16, q_heads=4, kv_heads=2, dim=16, dtype=torch.float32,
                             device=device)
-        memory = prefix_memory(samples=4, prompt=160, new_tokens=4, device=device, dtype=torch.float32)
+        memory = prefix_memory(samples=4, prompt=160, new_tokens=4, device=device, dtype=torch.float32,
+                               prefix="on")
     else:
         rows = bench_prefix(PREFIX_SHAPES, device=device)
         memory = prefix_memory(device=device)
