@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from hshare.config import HShareConfig
 from hshare.kernels import attention_with_lse, gather_attention, score_heads, shared_prefix_attention
 from hshare.labels import LabelCache
-from hshare.prefix_store import group_membership
 from hshare.selection import RowWindows, select_heavy
 
 MHA_SHAPES = [(b, 32, 32, n) for b in (8, 16) for n in (1024, 2048, 4096)]  # Llama-2-7B
@@ -266,12 +265,11 @@ def bench_prefix(shapes, own=256, q_heads=32, kv_heads=8, dim=128, dtype=torch.b
         prefix_v = torch.randn_like(prefix_k)
         own_k = torch.randn(batch, kv_heads, own, dim, device=device, dtype=dtype)
         own_v = torch.randn_like(own_k)
-        members, row_slot = group_membership(torch.zeros(batch, dtype=torch.long, device=device), 1)
         own_columns = torch.arange(own, device=device).expand(batch, kv_heads, own).contiguous()
         scale = dim ** -0.5
 
         def prefix_part():
-            return shared_prefix_attention(q, prefix_k, prefix_v, scale, members, row_slot)
+            return shared_prefix_attention(q, prefix_k, prefix_v, scale)  # level 1: every row, in order
 
         def shared():
             out, lse = prefix_part()

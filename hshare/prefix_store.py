@@ -58,6 +58,9 @@ class PrefixLevel:
     def set_rows(self, row_group: torch.Tensor) -> None:
         self.row_group = row_group
         self.members, self.row_slot = group_membership(row_group, self.groups)
+        rows = len(row_group)
+        self.all_rows_in_order = (self.groups == 1 and self.members.shape[1] == rows
+                                  and bool((self.members[0] == torch.arange(rows, device=row_group.device)).all()))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
@@ -116,7 +119,12 @@ class PrefixStore:
         visible = self.levels if self.filling is None else self.levels[:self.filling]
         merged = None
         for index, level in enumerate(visible):
-            members, row_slot = (level.members, level.row_slot) if self.filling is None else self._pass_rows[index]
+            if self.filling is not None:
+                members, row_slot = self._pass_rows[index]
+            elif level.all_rows_in_order:  # level 1: every row, in order: no gathers
+                members = row_slot = None
+            else:
+                members, row_slot = level.members, level.row_slot
             part = shared_prefix_attention(query, level.keys[layer], level.values[layer], scale, members, row_slot,
                                            level.key_valid)
             merged = part if merged is None else merge_attention_states(*merged, *part)

@@ -110,17 +110,19 @@ def _attention_with_lse_cuda(query, keys, values, scale, mask):
 
 
 def shared_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                            members: torch.Tensor, row_slot: torch.Tensor, key_valid: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            members: torch.Tensor | None = None, row_slot: torch.Tensor | None = None,
+                            key_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every row over its group's prefix keys, one batched product per group and KV head.
 
     Args:
         query: ``[B, Hq, T, d]`` (T = 1 at decode).
         keys, values: ``[G, Hkv, L, d]`` the level's prefix, stored once per group.
         scale: softmax scale.
-        members: ``[G, M]`` the rows of each group (``-1`` pads groups with fewer than M rows).
+        members: ``[G, M]`` the rows of each group (``-1`` pads groups with fewer than M rows);
+            None = one group holding every row in order (no gather of the queries).
         row_slot: ``[B]`` position ``g * M + m`` of each row in `members`, ``-1`` for a row in no
-            group of this level (it gets ``out = 0``, ``lse = -inf``: a no-op in the merge).
+            group of this level (it gets ``out = 0``, ``lse = -inf``: a no-op in the merge);
+            None with ``members=None``.
         key_valid: ``[G, L]`` bool, for groups shorter than the level's width; None = all valid.
 
     Returns:
@@ -129,8 +131,11 @@ def shared_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: tor
     batch, q_heads, steps, dim = query.shape
     groups, kv_heads = keys.shape[:2]
     per_kv = q_heads // kv_heads
-    width = members.shape[1]
-    folded = query.index_select(0, members.flatten().clamp(min=0))  # [G*M, Hq, T, d]
+    if members is None:
+        width, folded = batch, query
+    else:
+        width = members.shape[1]
+        folded = query.index_select(0, members.flatten().clamp(min=0))  # [G*M, Hq, T, d]
     folded = folded.view(groups, width, kv_heads, per_kv, steps, dim).permute(0, 2, 1, 3, 4, 5)
     folded = folded.reshape(groups, kv_heads, width * per_kv * steps, dim)  # GEMM rows: (row, head, step)
     mask = None if key_valid is None else key_valid[:, None, None, :]
@@ -139,6 +144,8 @@ def shared_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: tor
     out = out.reshape(groups * width, q_heads, steps, dim)
     lse = lse.reshape(groups, kv_heads, width, per_kv, steps).permute(0, 2, 1, 3, 4).reshape(groups * width, q_heads,
                                                                                              steps)
+    if members is None:
+        return out, lse
     in_level = (row_slot >= 0)[:, None, None]
     slot = row_slot.clamp(min=0)
     out = torch.where(in_level[..., None], out.index_select(0, slot), torch.zeros((), dtype=out.dtype,

@@ -38,6 +38,8 @@ def test_prefix_plus_own_part_equals_concatenated_attention(q_heads, kv_heads, p
 
     members, row_slot = group_membership(torch.zeros(batch, dtype=torch.long), 1)
     prefix_out, prefix_lse = shared_prefix_attention(q, prefix_k, prefix_v, scale, members, row_slot)
+    in_order = shared_prefix_attention(q, prefix_k, prefix_v, scale)  # the no-gather path of level 1
+    torch.testing.assert_close(in_order, (prefix_out, prefix_lse), rtol=0, atol=0)
     per_kv = q_heads // kv_heads
     folded = q.reshape(batch, kv_heads, per_kv * steps, dim)
     mask = valid[:, None, None].expand(batch, 1, per_kv, steps, own_width).reshape(batch, 1, per_kv * steps, own_width)
