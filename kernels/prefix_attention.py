@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import use_fused
+from .dispatch import use_fused, use_triton
+from .gather_attention import gather_attention
 
 _TWIN_CHUNK_ELEMENTS = 1 << 26  # logits materialised at once by the twin (fp32: 256 MiB)
-_MIN_SPLIT_KEYS = 512  # shortest key range of one flash-decoding split
+_FEW_ROWS = 64  # below this many query rows per KV head, a decode prefix goes to the split-N gather kernel
 
 
 def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -62,37 +63,11 @@ def attention_with_lse_torch(query: torch.Tensor, keys: torch.Tensor, values: to
     return torch.cat(outs, dim=2).to(query.dtype), torch.cat(lses, dim=2)
 
 
-def _flash_splits(query: torch.Tensor, length: int) -> int:
-    """Key splits that give flash attention about two waves of programs (flash-decoding): a long
-    shared prefix read by few (batch, head) pairs would otherwise run on a few SMs."""
-    programs = query.shape[0] * query.shape[1] * -(-query.shape[2] // 128)
-    wanted = -(-2 * torch.cuda.get_device_properties(query.device).multi_processor_count // programs)
-    return max(1, min(wanted, length // _MIN_SPLIT_KEYS))
-
-
 def _attention_with_lse_cuda(query, keys, values, scale, mask):
     rows = query.shape[2]
     if mask is None:
-        n, heads, length, dim = keys.shape
-        splits = _flash_splits(query, length)
-        if splits == 1:
-            return torch.ops.aten._scaled_dot_product_flash_attention(query, keys, values, 0.0, False, False,
-                                                                      scale=scale)[:2]
-        chunk = -(-length // splits)
-        starts = range(0, length, chunk)
-        outs, lses = [], []
-        for start in starts:  # each split is a batch entry of one flash call would need equal lengths;
-            stop = min(length, start + chunk)  # the last split may be shorter: one call per split
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-                query, keys[:, :, start:stop], values[:, :, start:stop], 0.0, False, False, scale=scale)[:2]
-            outs.append(out)
-            lses.append(lse)
-        lse = torch.stack(lses)  # [S, N, H, R]
-        top = lse.max(0).values
-        weight = torch.exp(lse - top)
-        total = weight.sum(0)
-        out = (torch.stack(outs).float() * weight[..., None]).sum(0) / total[..., None]
-        return out.to(query.dtype), top + torch.log(total)
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, keys, values, 0.0, False, False,
+                                                                  scale=scale)[:2]
     # memory-efficient attention takes an additive bias; its last dim must be 16-aligned in memory
     n, heads, _, length = query.shape[0], query.shape[1], rows, keys.shape[2]
     padded = -(-length // 16) * 16
@@ -131,6 +106,14 @@ def shared_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: tor
     batch, q_heads, steps, dim = query.shape
     groups, kv_heads = keys.shape[:2]
     per_kv = q_heads // kv_heads
+    if members is None and steps == 1 and key_valid is None and batch * per_kv < _FEW_ROWS and use_triton(query):
+        # Few rows: one batched product would run on a handful of SMs. The split-N gather kernel
+        # (flash-decoding) spreads the prefix over all SMs; its rows re-read the prefix from L2.
+        length = keys.shape[2]
+        columns = torch.arange(length, device=query.device, dtype=torch.int32).expand(batch, kv_heads, length)
+        out, lse = gather_attention(query[:, :, 0], keys.expand(batch, -1, -1, -1),
+                                    values.expand(batch, -1, -1, -1), columns, scale)
+        return out[:, :, None], lse[:, :, None]
     if members is None:
         width, folded = batch, query
     else:
