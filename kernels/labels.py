@@ -49,7 +49,7 @@ def quantize_labels(labels: torch.Tensor, bits: int) -> tuple[torch.Tensor, torc
     x = labels.float() if labels.dtype != torch.float64 else labels
     low = x.amin(dim=-1)
     high = x.amax(dim=-1)
-    scale = (high - low) / levels
+    scale = (high - low) * (1.0 / levels)  # one definition on every device (CUDA divides by scalars so)
     scale = scale.to(store).to(x.dtype)  # quantize with the scale that will be stored
     low = low.to(store).to(x.dtype)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))

@@ -97,7 +97,7 @@ def _append_labels(
     odd = tl.load(key_base + tl.load(chan_base + 2 * half + 1)).to(tl.float32)
     low = tl.minimum(tl.min(even, 0), tl.min(odd, 0))
     high = tl.maximum(tl.max(even, 0), tl.max(odd, 0))
-    scale = tl.math.div_rn(high - low, LEVELS)  # IEEE division, as torch (Triton's '/' is approximate)
+    scale = (high - low) * (1.0 / LEVELS)  # as the twin
     if STORE == 2:  # quantize with the scale and zero that will be stored (as the twin)
         scale = _round_to_bf16(scale)
         low = _round_to_bf16(low)
@@ -105,6 +105,7 @@ def _append_labels(
         scale = scale.to(tl.float16).to(tl.float32)
         low = low.to(tl.float16).to(tl.float32)
     safe = tl.where(scale > 0, scale, 1.0)
+    # IEEE division as torch's tensor / tensor (Triton's '/' is approximate on the GPU)
     code_even = _round_half_even(tl.math.div_rn(even - low, safe), LEVELS)
     code_odd = _round_half_even(tl.math.div_rn(odd - low, safe), LEVELS)
     out_base = codes_ptr + row * s_cb + head * s_ch + token * s_ct
