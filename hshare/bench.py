@@ -251,11 +251,17 @@ class PrefixRow:
     max_abs_err: float
     dense_graph_us: float | None
     shared_graph_us: float | None
+    sparse_unshared: dict | None = None
 
 
 def bench_prefix(shapes, own=256, q_heads=32, kv_heads=8, dim=128, dtype=torch.bfloat16,
-                 device="cuda") -> list[PrefixRow]:
-    """Decode attention of B rows sharing a P-token prefix (own part `own` tokens each)."""
+                 device="cuda", sparse_choice=True) -> list[PrefixRow]:
+    """Decode attention of B rows sharing a P-token prefix (own part `own` tokens each).
+
+    With `sparse_choice`, also the per-(layer, step) time of a sparse config that treats the
+    prefix as part of each row's sparse context (no sharing; N_c = (P + own) / 8): the shared
+    alternative is the exact prefix + the own part (all of it fits N_c) timed above.
+    """
     device = torch.device(device)
     rows = []
     for batch, prefix in shapes:
@@ -292,9 +298,23 @@ def bench_prefix(shapes, own=256, q_heads=32, kv_heads=8, dim=128, dtype=torch.b
                                                          (partial[0][:, :, 0], partial[1][:, :, 0])), device),
             speedup=dense[fastest] / shared_time, max_abs_err=err,
             dense_graph_us=_dense_graph_us(q, full_k, full_v, fastest), shared_graph_us=graph_time_us(shared, device),
+            sparse_unshared=_sparse_unshared(q, full_k, full_v) if sparse_choice else None,
         ))
         del full_k, full_v
     return rows
+
+
+def _sparse_unshared(q, full_k, full_v, layers=32) -> dict:
+    """ds and 1/2-1/2-1/2 over the materialised [prefix; own] of every row (eager and graph us)."""
+    n = full_k.shape[2]
+    budget = n // 8
+    sink, local = max(1, budget // 32), max(1, budget // 8)
+    result = {}
+    for preset in ("ds", "hshare-1_2-1_2-1_2"):
+        config = HShareConfig.from_preset(preset).replace(sink=sink, local=local, heavy=budget - sink - local)
+        row = _bench_preset(q, full_k, full_v, config, layers)
+        result[preset] = {"step_us": row["step_us"], "step_graph_us": row["step_graph_us"]}
+    return result
 
 
 def prefix_memory(samples=128, prompt=4096, new_tokens=256, device="cuda", dtype=torch.bfloat16,
@@ -341,11 +361,13 @@ def print_attention(rows: list[AttentionRow]) -> None:
 
 def print_prefix(rows: list[PrefixRow], memory: dict | None) -> None:
     print(f"{'B':>5}{'P':>7}{'own':>5}{'dense':>9} {'backend':<10}{'shared':>8}{'prefix':>8}{'own':>8}"
-          f"{'speed-up':>9}{'max err':>9}{'graph: dense':>13}{'shared':>8}")
+          f"{'speed-up':>9}{'max err':>9}{'graph: dense':>13}{'shared':>8}   sparse unshared ds / 1_2^3 (graph)")
     for r in rows:
         print(f"{r.batch:>5}{r.prefix:>7}{r.own:>5}{r.dense_us[r.fastest_dense]:>9.1f} {r.fastest_dense:<10}"
               f"{r.shared_us:>8.1f}{r.prefix_part_us:>8.1f}{r.own_part_us:>8.1f}{r.speedup:>8.2f}x{r.max_abs_err:>9.1e}"
-              + (f"{r.dense_graph_us:>13.1f}{r.shared_graph_us:>8.1f}" if r.dense_graph_us and r.shared_graph_us else ""))
+              + (f"{r.dense_graph_us:>13.1f}{r.shared_graph_us:>8.1f}" if r.dense_graph_us and r.shared_graph_us else "")
+              + ("   " + " / ".join(f"{v['step_us']:.1f} ({v['step_graph_us'] or 0:.1f})"
+                                   for v in r.sparse_unshared.values()) if r.sparse_unshared else ""))
     if memory:
         print(f"KV for {memory['samples']} samples of a {memory['prompt']}-token prompt + {memory['new_tokens']} new: "
               f"DynamicCache {memory['dynamic_cache_bytes'] / 2**20:.1f} MiB, hshare "
@@ -382,35 +404,44 @@ def write(results: dict, out: Path, name: str) -> Path:
 
 
 def plot(path: Path) -> Path:
-    """Speed-up against the fastest dense backend, one bar per row of a results JSON."""
+    """Speed-up against the fastest dense backend: eager (what ``generate`` runs) and CUDA-graph
+    replay (GPU time alone), one bar per row of a results JSON."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     results = json.loads(Path(path).read_text())
-    fig, ax = plt.subplots(figsize=(12, 5))
-    if "attention" in results:
-        rows = results["attention"]
-        presets = list(dict.fromkeys(r["preset"] for r in rows))
-        shapes = list(dict.fromkeys(r["shape"] for r in rows))
-        width = 0.8 / len(presets)
-        for i, preset in enumerate(presets):
-            values = [next(r["speedup"] for r in rows if r["shape"] == s and r["preset"] == preset) for s in shapes]
-            ax.bar([x + i * width for x in range(len(shapes))], values, width, label=preset)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes, rotation=30, ha="right")
-        ax.set_title(f"decode attention per (layer, step) vs fastest dense SDPA - {results['env'].get('device')}")
-    else:
-        rows = results["prefix"]
-        ax.bar(range(len(rows)), [r["speedup"] for r in rows])
-        ax.set_xticks(range(len(rows)), [f"B{r['batch']} P{r['prefix']}" for r in rows])
-        ax.set_title(f"shared-prefix decode attention vs per-row dense SDPA - {results['env'].get('device')}")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_ylabel("speed-up (x)")
-    ax.legend() if "attention" in results else None
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5), sharey=True)
+    device = results["env"].get("device")
+    for ax, (suffix, mode) in zip(axes, (("", "eager"), ("_graph", "CUDA graph"))):
+        if "attention" in results:
+            rows = results["attention"]
+            presets = list(dict.fromkeys(r["preset"] for r in rows))
+            shapes = list(dict.fromkeys(r["shape"] for r in rows))
+            width = 0.8 / len(presets)
+            for i, preset in enumerate(presets):
+                values = [next(r[f"speedup{suffix}"] or 0 for r in rows if r["shape"] == s and r["preset"] == preset)
+                          for s in shapes]
+                ax.bar([x + i * width for x in range(len(shapes))], values, width, label=preset)
+            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes, rotation=30, ha="right")
+            ax.legend()
+            title = "decode attention per (layer, step) vs fastest dense SDPA"
+        else:
+            rows = results["prefix"]
+            if suffix:
+                values = [r["dense_graph_us"] / r["shared_graph_us"] if r["shared_graph_us"] else 0 for r in rows]
+            else:
+                values = [r["speedup"] for r in rows]
+            ax.bar(range(len(rows)), values)
+            ax.set_xticks(range(len(rows)), [f"B{r['batch']} P{r['prefix']}" for r in rows])
+            title = "shared-prefix decode attention vs per-row dense SDPA"
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_title(f"{title}\n{mode} - {device}", fontsize=10)
+    axes[0].set_ylabel("speed-up (x)")
     fig.tight_layout()
     png = Path(path).with_suffix(".png")
-    fig.savefig(png, dpi=120)
+    fig.savefig(png, dpi=110)
     return png
 
 

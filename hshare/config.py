@@ -32,7 +32,7 @@ PLAN_SCOPES = ("batch", "sample")
 PLANNERS = ("greedy", "random")
 LABEL_BITS = (4, 8, 16)
 PREFIX_MODES = ("auto", "on", "off")
-DEFAULT_DENSE_FALLBACK_MIB = 160.0  # H100: the sparse step loses below ~150 MiB per layer (RESULTS.md)
+DEFAULT_DENSE_FALLBACK_MIB = 768.0  # H100, eager decode: the sparse step loses below ~0.5-1 GiB per layer (RESULTS.md)
 
 
 class ConfigError(ValueError):
@@ -94,9 +94,10 @@ class HShareConfig:
             path to a calibration JSON written by ``hshare calibrate``.
         seed: seed of the random planner.
         dense_fallback_mib: decode steps whose per-layer KV (rows x tokens x K and V) is below this
-            many MiB run exact dense attention: there the sparse path's extra kernels cost more than
-            reading all keys (measured on the H100, ``benchmarks/RESULTS.md``). None = auto: 160 on
-            CUDA, 0 elsewhere.
+            many MiB run exact dense attention: there the sparse path's kernel launches cost more
+            than reading all keys (measured on the H100 in eager mode, ``benchmarks/RESULTS.md``;
+            lower it when the decode step runs as a CUDA graph). None = auto: 768 on CUDA, 0
+            elsewhere.
         prefix: shared-prefix attention inside ``generate`` (Hydragen): "auto" stores a prompt
             prefix shared by the rows once when it pays (at least `prefix_min_tokens` shared
             tokens, `prefix_min_batch` rows sharing them and `prefix_min_saved_tokens` token reads
@@ -106,8 +107,9 @@ class HShareConfig:
         prefix_min_tokens: shortest prefix (level 1) or group extension (level 2) stored once.
         prefix_min_batch: fewest rows that must share a level for "auto" to store it once.
         prefix_min_saved_tokens: fewest KV token reads per layer and step, (rows - 1) x shared
-            tokens, a level must save for "auto": the batched prefix product and the LSE merge cost
-            about what dense attention spends on ~48k GQA tokens on the H100 (RESULTS.md).
+            tokens, a level must save for "auto". Measured on the H100 (RESULTS.md, GQA 32/8):
+            eager decode breaks even between 130k (0.4x) and 520k (1.6x) saved tokens, a CUDA
+            graph near 8k. The memory saving holds at any size: ``prefix="on"`` takes it.
         prefix_levels: 1 (one prefix for all rows) or 2 (plus groups of rows sharing more, e.g. the
             samples of each question after a common few-shot prefix).
     """
@@ -132,7 +134,7 @@ class HShareConfig:
     prefix: str = "auto"
     prefix_min_tokens: int = 256
     prefix_min_batch: int = 2
-    prefix_min_saved_tokens: int = 49152
+    prefix_min_saved_tokens: int = 262144
     prefix_levels: int = 2
     name: str = field(default="custom", compare=False)
 
