@@ -101,9 +101,8 @@ class HShareConfig:
         prefix: shared-prefix attention inside ``generate`` (Hydragen): "auto" stores a prompt
             prefix shared by the rows once when it pays (at least `prefix_min_tokens` shared
             tokens, `prefix_min_batch` rows sharing them and `prefix_min_saved_tokens` token reads
-            saved per step; with a sparse config also when reading the prefix exactly once per step
-            costs no more than scoring it for every row), "on" whenever any prefix is shared (the
-            KV memory saving alone), "off" never.
+            saved per step; the same rule for sparse configs, measured faster than a sparse prefix),
+            "on" whenever any prefix is shared (the KV memory saving alone), "off" never.
         prefix_min_tokens: shortest prefix (level 1) or group extension (level 2) stored once.
         prefix_min_batch: fewest rows that must share a level for "auto" to store it once.
         prefix_min_saved_tokens: fewest KV token reads per layer and step, (rows - 1) x shared

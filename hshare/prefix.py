@@ -24,10 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hshare.config import HShareConfig
-
-_LABEL_SCALE_BYTES = 4  # per token and head: fp16 scale and zero of a label
-
 
 @dataclass
 class SharedPrefix:
@@ -159,22 +155,6 @@ def build_layout(prompts: list[torch.Tensor], shared: SharedPrefix, pad_token_id
         input_ids[row, width - len(own[row]):] = own[row]
         mask[row, width - len(own[row]):] = 1
     return PrefixLayout(input_ids, mask, level_tokens, level_valid, row_groups)
-
-
-def worth_sharing(config: HShareConfig, rows: int, kv_token_bytes: int) -> bool:
-    """Whether, with a sparse config, reading a level-1 prefix exactly once per step is no more bytes
-    than scoring it on labels for every row (the prefix treated as part of the sparse context).
-
-    Per decode step, layer and KV head: exact shared prefix reads ``P * kv_token_bytes``; the
-    unshared sparse path scores ``rows * scored_fraction * P`` labels of ``label_token_bytes``
-    (the gathered N_c rows are read by both). Dense configs always share (the prefix is read once
-    instead of once per row).
-    """
-    if not config.sparse or config.heavy == 0:
-        return True
-    label_token_bytes = config.label_channels * config.label_bits // 8 + _LABEL_SCALE_BYTES
-    scored_fraction = config.layer_sharing * config.head_sharing * config.query_sharing
-    return rows * scored_fraction * label_token_bytes >= kv_token_bytes
 
 
 def unpadded_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:

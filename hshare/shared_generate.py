@@ -11,6 +11,12 @@ Falls back to the ordinary path (returns None) where sharing does not apply: bea
 assisted decoding (rows are regrouped by beam scores; the prefix would need a beam-aware layout),
 ``inputs_embeds``, a sliding window shorter than the sequence (the prefix must stay inside every
 row's window), no prefix worth sharing under the config's rule.
+
+Sparse configs share under the same rule as dense ones: the prefix stays exact and the HShare
+budget applies to each row's own tokens. Measured on the H100 (``benchmarks/RESULTS.md``), the
+exact shared prefix + own part was faster than treating the prefix as part of every row's sparse
+context (ds and 1/2-1/2-1/2, N_c = n/8) at every batch from 2 to 256 and prefix of 2k and 8k
+tokens; below the rule's threshold the unshared step runs dense anyway (the dense fallback).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 import torch
 
 from hshare.cache import HShareCache
-from hshare.prefix import build_layout, detect_shared_prefix, unpadded_prompts, worth_sharing
+from hshare.prefix import build_layout, detect_shared_prefix, unpadded_prompts
 from hshare.prefix_store import PrefixLevel, PrefixStore
 
 
@@ -60,10 +66,6 @@ def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple
                                   1 if forced else config.prefix_min_batch, config.prefix_levels,
                                   0 if forced else config.prefix_min_saved_tokens)
     if shared.empty:
-        return None
-    keys_per_token = 2 * cache.kv_heads * (model.config.hidden_size // model.config.num_attention_heads)
-    kv_token_bytes = keys_per_token * torch.finfo(model.dtype).bits // 8 if model.dtype.is_floating_point else 1
-    if not forced and not worth_sharing(config, len(prompts), kv_token_bytes):
         return None
     pad = _setting(model, kwargs, "pad_token_id")
     layout = build_layout(prompts, shared, 0 if pad is None else int(pad))

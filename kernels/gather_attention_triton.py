@@ -30,9 +30,9 @@ def _gather_attention_split(
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    b = pid // SEL_HEADS
+    b = (pid // SEL_HEADS).to(tl.int64)  # 64-bit offsets: a cache may hold more than 2**31 elements
     s = pid % SEL_HEADS
-    kv = s * KV_HEADS // SEL_HEADS
+    kv = (s * KV_HEADS // SEL_HEADS).to(tl.int64)
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM)
     row_ok = rows < GROUP

@@ -148,3 +148,20 @@ def test_few_row_prefix_goes_through_gather_kernel(monkeypatch):
     got = shared_prefix_attention(q, keys, values, 0.25)
     tol = 5e-3 if DEVICE == "cuda" else 1e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU with > 9 GB free (a cache of more than 2**31 elements)")
+def test_gather_attention_offsets_beyond_int32():
+    from hshare.kernels.gather_attention_triton import gather_attention_triton
+
+    n = 2**23 + 64  # 2 rows x n x 128 > 2**31 elements: row 1 starts beyond int32 offsets
+    keys = torch.empty(2, 1, n, 128, device="cuda", dtype=torch.bfloat16)
+    cols = torch.tensor([0, 5, n - 3, n - 1], device="cuda")
+    keys[:, :, cols] = torch.randn(2, 1, 4, 128, device="cuda", dtype=torch.bfloat16)
+    idx = cols.to(torch.int32).expand(2, 1, 4).contiguous()
+    q = torch.randn(2, 2, 128, device="cuda", dtype=torch.bfloat16)
+    out, lse = gather_attention_triton(q, keys, keys, idx, 0.1)
+    ref, ref_lse = gather_attention_torch(q.float(), keys[:, :, cols].float(), keys[:, :, cols].float(),
+                                          torch.arange(4, device="cuda").expand(2, 1, 4), 0.1)
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)

@@ -217,18 +217,19 @@ def test_sparse_budget_covering_own_part_equals_unpatched():
     compare_with_unpatched(model, ids, mask, preset="ds", expect_levels=[50])
 
 
-def test_auto_sparse_small_batch_keeps_prefix_in_sparse_context():
+def test_auto_sparse_config_shares_under_the_same_rule():
     model = tiny_llama()
     prefix = tokens(200)
     ids, mask = left_pad([torch.cat((prefix, tokens(n))) for n in (6, 11)])
-    with hshare.patched(model, "ds", prefix_min_tokens=16, prefix_min_saved_tokens=0):
-        cache = hshare.new_cache(model)
-        run(model, ids, mask, cache=cache)
-    assert cache.prefix is None  # 2 rows: scoring the prefix per row reads fewer bytes than the exact prefix
-    with hshare.patched(model, "dense", prefix_min_tokens=16, prefix_min_saved_tokens=0):
-        cache = hshare.new_cache(model)
-        run(model, ids, mask, cache=cache)
-    assert cache.prefix.width == 200
+    for preset in ("ds", "dense"):
+        with hshare.patched(model, preset, prefix_min_tokens=16, prefix_min_saved_tokens=200):
+            cache = hshare.new_cache(model)
+            run(model, ids, mask, cache=cache)
+        assert cache.prefix.width == 200
+        with hshare.patched(model, preset, prefix_min_tokens=16, prefix_min_saved_tokens=201):
+            cache = hshare.new_cache(model)
+            run(model, ids, mask, cache=cache)
+        assert cache.prefix is None
 
 
 # ---- memory -----------------------------------------------------------------------------------
