@@ -39,7 +39,7 @@ def check_generate(dtype: torch.dtype) -> dict:
     ref = model.generate(ids, **kwargs)
     with hshare.patched(model, "ds", sink=4, local=8, heavy=1000):
         wide = model.generate(ids, **kwargs)
-    with hshare.patched(model, "hshare-1_2-1_2-1_2", sink=4, local=16, heavy=40):
+    with hshare.patched(model, "hshare-1_2-1_2-1_2", sink=4, local=16, heavy=40, dense_fallback_mib=0):
         cache = hshare.new_cache(model)
         out = model.generate(ids, past_key_values=cache, output_logits=True, return_dict_in_generate=True,
                              **kwargs)
@@ -70,7 +70,7 @@ def check_prefix_generate(dtype: torch.dtype) -> dict:
     with hshare.patched(model, "dense", prefix="on"):
         cache = hshare.new_cache(model)
         shared = model.generate(ids, past_key_values=cache, **kwargs)
-    with hshare.patched(model, "hshare-1_2-1_2-1_2", sink=4, local=16, heavy=40, prefix="on"):
+    with hshare.patched(model, "hshare-1_2-1_2-1_2", sink=4, local=16, heavy=40, prefix="on", dense_fallback_mib=0):
         sparse_cache = hshare.new_cache(model)
         out = model.generate(ids, past_key_values=sparse_cache, output_logits=True, return_dict_in_generate=True,
                              **kwargs)
