@@ -9,8 +9,9 @@
 
 Falls back to the ordinary path (returns None) where sharing does not apply: beam search and
 assisted decoding (rows are regrouped by beam scores; the prefix would need a beam-aware layout),
-``inputs_embeds``, a sliding window shorter than the sequence (the prefix must stay inside every
-row's window), no prefix worth sharing under the config's rule.
+``inputs_embeds``, a streamer (it would be handed the rearranged prompt), a sliding window
+shorter than the sequence (the prefix must stay inside every row's window), no prefix worth
+sharing under the config's rule.
 
 Sparse configs share under the same rule as dense ones: the prefix stays exact and the HShare
 budget applies to each row's own tokens. Measured on the H100 (``benchmarks/RESULTS.md``), the
@@ -53,6 +54,7 @@ def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple
     input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if (not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point()
             or kwargs.get("inputs_embeds") is not None or kwargs.get("assistant_model") is not None
+            or kwargs.get("streamer") is not None
             or (_setting(model, kwargs, "num_beams") or 1) > 1 or len(args) > 1):
         return None
     repeats = _setting(model, kwargs, "num_return_sequences") or 1

@@ -147,12 +147,27 @@ def test_prefix_length_changes_between_calls():
         compare_with_unpatched(model, *left_pad(prompts), new_tokens=5, expect_levels=[length])
 
 
-def test_beams_fall_back():
+def test_beams_and_streamers_fall_back():
+    from transformers.generation.streamers import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.seen = []
+
+        def put(self, value):
+            self.seen.append(value.clone())
+
+        def end(self):
+            pass
+
     model = tiny_llama()
     prefix = tokens(20)
-    ids, mask = left_pad([torch.cat((prefix, tokens(3))), torch.cat((prefix, tokens(6)))])
+    ids, mask = left_pad([torch.cat((prefix, tokens(3)))])
     cache = compare_with_unpatched(model, ids, mask, new_tokens=4, num_beams=2)
     assert cache.prefix is None
+    streamer = Recorder()
+    cache = compare_with_unpatched(model, ids, mask, new_tokens=4, streamer=streamer)
+    assert cache.prefix is None and torch.equal(streamer.seen[-5][0], ids[0])  # the prompt as given
 
 
 def test_auto_mode_thresholds():
