@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-NO_TOKEN = -1
+from hshare.kernels import NO_TOKEN, critical_indices
 
 
 def valid_columns_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int, query_rows: int,
@@ -100,25 +100,16 @@ class RowWindows:
         )
 
     def critical_indices(self, heavy: torch.Tensor) -> torch.Tensor:
-        """Union of sink, heavy and local columns per selection head.
+        """Union of sink, heavy and local columns per selection head (`kernels.critical_indices`).
 
         Args:
             heavy: ``[B, H, heavy]`` heavy columns (``NO_TOKEN`` allowed), chosen at the last
                 selection step (query groups reuse them; sink and local follow the current step).
 
         Returns:
-            ``[B, H, N_c]`` int64 columns; short rows get all their valid columns.
+            ``[B, H, N_c]`` integer columns; short rows get all their valid columns.
         """
-        batch, heads, _ = heavy.shape
-        # heavy columns of an earlier step that left the middle window (a sliding window moved
-        # past them) are dropped: never attend outside the row's valid keys, never twice
-        still_middle = self.middle[:, None].expand(batch, heads, -1).gather(-1, heavy.clamp(min=0))
-        heavy = torch.where(still_middle & (heavy >= 0), heavy, torch.full_like(heavy, NO_TOKEN))
-        sparse = torch.cat(
-            (self.sink[:, None].expand(batch, heads, -1), heavy, self.local[:, None].expand(batch, heads, -1)), dim=-1
-        )
-        dense = self.dense[:, None].expand(batch, heads, -1)
-        return torch.where(self.short[:, None, None], dense, sparse)
+        return critical_indices(heavy, self.sink, self.local, self.dense, self.middle, self.short)
 
 
 def select_heavy(scores: torch.Tensor, middle: torch.Tensor, heavy: int) -> torch.Tensor:

@@ -5,12 +5,16 @@ Triton kernels for CUDA tensors sit beside their twins.
 
 from __future__ import annotations
 
+from .critical_indices import NO_TOKEN, critical_indices, critical_indices_torch
 from .gather_attention import gather_attention, gather_attention_torch
 from .labels import append_labels, dequantize_labels, label_scores, label_storage_dtype, quantize_labels, score_heads
 from .merge import merge_attention_states
 from .prefix_attention import attention_with_lse, attention_with_lse_torch, shared_prefix_attention
 
 __all__ = [
+    "NO_TOKEN",
+    "critical_indices",
+    "critical_indices_torch",
     "append_labels",
     "attention_with_lse",
     "attention_with_lse_torch",

@@ -165,3 +165,21 @@ def test_gather_attention_offsets_beyond_int32():
                                           torch.arange(4, device="cuda").expand(2, 1, 4), 0.1)
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("sink,local,heavy", [(2, 4, 6), (0, 3, 5), (3, 5, 0), (1, 1, 7)])
+def test_critical_indices_triton_matches_twin(sink, local, heavy):
+    from hshare.kernels import critical_indices_torch
+    from hshare.kernels.critical_indices_triton import critical_indices_triton
+    from hshare.selection import RowWindows
+
+    batch, heads, n = 4, 3, 40
+    valid = torch.ones(batch, n, dtype=torch.bool, device=DEVICE)
+    valid[0, :25] = False  # left padding: row 0 has 15 tokens
+    valid[1, :37] = False  # a short row (3 tokens)
+    valid[2, 10:14] = False  # a hole (a user's mask)
+    windows = RowWindows.build(valid, sink, local, sink + local + heavy)
+    picks = torch.randint(-1, n, (batch, heads, heavy), device=DEVICE)  # stale, padded and fresh columns
+    got = critical_indices_triton(picks, windows.sink, windows.local, windows.dense, windows.middle, windows.short)
+    want = critical_indices_torch(picks, windows.sink, windows.local, windows.dense, windows.middle, windows.short)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), want)

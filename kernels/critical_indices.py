@@ -1,0 +1,52 @@
+"""Critical-token indices of one sparse decode step (HShare section 4.2): sink + heavy + local.
+
+Per row and selection head: the row's sink columns, the heavy columns chosen at the last selection
+step that are still in the row's middle window (a sliding window or the local window may have moved
+past them within a query group: never attend outside the valid keys, never twice), and the row's
+local columns; a row with no more valid tokens than N_c gets all its valid columns. ``-1`` marks
+"no token".
+
+`critical_indices` dispatches (`dispatch.use_triton`): CUDA tensors go to one Triton launch
+(`critical_indices_triton`), everything else to the twin `critical_indices_torch` (the CPU path
+and the test oracle).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import use_triton
+
+NO_TOKEN = -1
+
+
+def critical_indices(heavy: torch.Tensor, sink: torch.Tensor, local: torch.Tensor, dense: torch.Tensor,
+                     middle: torch.Tensor, short: torch.Tensor) -> torch.Tensor:
+    """Critical indices (contract: `critical_indices_torch`); Triton for CUDA tensors."""
+    if use_triton(heavy):
+        from .critical_indices_triton import critical_indices_triton
+
+        return critical_indices_triton(heavy, sink, local, dense, middle, short)
+    return critical_indices_torch(heavy, sink, local, dense, middle, short)
+
+
+def critical_indices_torch(heavy: torch.Tensor, sink: torch.Tensor, local: torch.Tensor, dense: torch.Tensor,
+                           middle: torch.Tensor, short: torch.Tensor) -> torch.Tensor:
+    """Union of sink, still-middle heavy and local columns per selection head.
+
+    Args:
+        heavy: ``[B, H, heavy]`` columns chosen at the last selection step (``-1`` allowed).
+        sink, local: ``[B, sink]``, ``[B, local]`` the rows' sink and local columns this step.
+        dense: ``[B, N_c]`` the first N_c valid columns (all of a short row's tokens).
+        middle: ``[B, n]`` bool, the rows' middle windows this step.
+        short: ``[B]`` bool, rows with no more valid tokens than N_c.
+
+    Returns:
+        ``[B, H, N_c]`` int64 columns.
+    """
+    batch, heads, _ = heavy.shape
+    still_middle = middle[:, None].expand(batch, heads, -1).gather(-1, heavy.clamp(min=0))
+    heavy = torch.where(still_middle & (heavy >= 0), heavy, torch.full_like(heavy, NO_TOKEN))
+    sparse = torch.cat((sink[:, None].expand(batch, heads, -1), heavy, local[:, None].expand(batch, heads, -1)),
+                       dim=-1)
+    return torch.where(short[:, None, None], dense[:, None].expand(batch, heads, -1), sparse)
