@@ -19,6 +19,7 @@ Results print as a table and are written as JSON (and a PNG plot where matplotli
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -346,6 +347,46 @@ def prefix_memory(samples=128, prompt=4096, new_tokens=256, device="cuda", dtype
             "ratio": dynamic / held}
 
 
+def generate_speed(samples=64, prompt=4096, new_tokens=32, layers=4, device="cuda", dtype=torch.bfloat16) -> list:
+    """End to end: ``generate`` of `samples` sampled continuations of one `prompt`-token prompt on a
+    random Llama-3-8B-shaped model cut to `layers` layers (hidden 4096, 32/8 heads, d 128), unpatched
+    against patched configs. Prefill time = a 1-token generate; decode tok/s from the extra tokens."""
+    import hshare
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small = device == "cpu"
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1024, hidden_size=256 if small else 4096,
+                         intermediate_size=512 if small else 14336, num_hidden_layers=layers,
+                         num_attention_heads=8 if small else 32, num_key_value_heads=2 if small else 8,
+                         max_position_embeddings=prompt + new_tokens + 8)
+    model = LlamaForCausalLM(config).to(device, dtype).eval()
+    ids = torch.randint(3, 1024, (1, prompt), device=device)
+
+    def run(tokens: int) -> float:
+        kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True, num_return_sequences=samples,
+                      pad_token_id=0)
+        model.generate(ids, **kwargs)  # warm-up (kernels, allocator)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    rows = []
+    for name, preset in (("unpatched", None), ("dense, prefix=on", "dense"),
+                         ("hshare-1_2-1_2-1_2, prefix=on", "hshare-1_2-1_2-1_2")):
+        context = hshare.patched(model, preset, prefix="on") if preset else contextlib.nullcontext()
+        with context:
+            prefill = run(1)
+            total = run(new_tokens + 1)
+        rows.append({"config": name, "prefill_s": prefill, "decode_tok_s": samples * new_tokens / (total - prefill),
+                     "samples": samples, "prompt": prompt, "new_tokens": new_tokens, "layers": layers})
+    return rows
+
+
 # ---- output -------------------------------------------------------------------------------------
 def print_attention(rows: list[AttentionRow]) -> None:
     print(f"{'shape':<30}{'KV MiB':>8}{'dense':>8} {'backend':<10}{'preset':<22}{'path':<16}{'append':>8}"
@@ -357,6 +398,17 @@ def print_attention(rows: list[AttentionRow]) -> None:
               f"{r.gather_us:>8.1f}{r.gather_tbps:>6.2f}{r.step_us:>8.1f}{r.speedup:>8.2f}x"
               + (f"{r.dense_graph_us:>13.1f}{r.step_graph_us:>8.1f}{r.speedup_graph:>8.2f}x"
                  if r.speedup_graph else ""))
+
+
+def print_generate(rows: list[dict]) -> None:
+    if not rows:
+        return
+    r0 = rows[0]
+    print(f"generate, {r0['samples']} samples of a {r0['prompt']}-token prompt, {r0['layers']} layers (Llama-3-8B shaped):")
+    base = rows[0]["decode_tok_s"]
+    for r in rows:
+        print(f"  {r['config']:<36} prefill {r['prefill_s'] * 1e3:8.1f} ms   decode {r['decode_tok_s']:9.1f} tok/s"
+              f"  ({r['decode_tok_s'] / base:.2f}x)")
 
 
 def print_prefix(rows: list[PrefixRow], memory: dict | None) -> None:
@@ -463,10 +515,13 @@ def main_prefix(out: Path, smoke: bool) -> dict:
                             device=device)
         memory = prefix_memory(samples=4, prompt=160, new_tokens=4, device=device, dtype=torch.float32,
                                prefix="on")
+        speed = generate_speed(samples=4, prompt=300, new_tokens=3, layers=2, device=device, dtype=torch.float32)
     else:
         rows = bench_prefix(PREFIX_SHAPES, device=device)
         memory = prefix_memory(device=device)
+        speed = generate_speed(device=device)
     print_prefix(rows, memory)
-    results = {"env": environment(), "prefix": [asdict(r) for r in rows], "memory": memory}
+    print_generate(speed)
+    results = {"env": environment(), "prefix": [asdict(r) for r in rows], "memory": memory, "generate": speed}
     write(results, out, "bench_prefix")
     return results
