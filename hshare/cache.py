@@ -252,12 +252,12 @@ class HShareCache(Cache):
         if not self.sparse_layers:
             state.windows, state.selecting = None, False
             return
-        state.windows = RowWindows.build(valid, config.sink, config.local, config.budget)
         state.dense_fallback = self._layer_kv_bytes(valid) < config.dense_fallback_bytes(valid.device)
         if state.dense_fallback:  # too small for sparse to pay: exact dense; the next sparse step selects
             self.stats.dense_fallback_steps += 1
-            state.selecting, state.last_selection = False, None
+            state.windows, state.selecting, state.last_selection = None, False, None
             return
+        state.windows = RowWindows.build(valid, config.sink, config.local, config.budget)
         self.stats.sparse_steps += int(not state.windows.all_short)
         if state.plan is None:
             self._plan(batch=valid.shape[0], device=valid.device)
