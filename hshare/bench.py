@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hshare.config import HShareConfig
-from hshare.kernels import attention_with_lse, gather_attention, score_heads, shared_prefix_attention
+from hshare.kernels import gather_attention, score_heads, shared_prefix_attention
 from hshare.labels import LabelCache
 from hshare.selection import RowWindows, select_heavy
 
