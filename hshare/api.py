@@ -81,6 +81,12 @@ def _wrap_generate(model) -> None:
         if kwargs.get("past_key_values") is None and wants_cache and implementation is None:
             kwargs["past_key_values"] = new_cache(model)
         cache = kwargs.get("past_key_values")
+        if isinstance(cache, HShareCache) and cache.prefix is not None:
+            raise ValueError(
+                "this HShareCache holds a shared-prefix layout from an earlier generate (its columns are not the "
+                "returned sequences' columns), so generation cannot continue from it; accepted: a fresh cache, or "
+                "patch with prefix='off' for caches you continue"
+            )
         if isinstance(cache, HShareCache) and not cache.get_seq_length() and cache.config.prefix != "off":
             shared = generate_with_shared_prefix(model, original, cache, args, kwargs)
             if shared is not None:

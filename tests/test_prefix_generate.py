@@ -170,6 +170,18 @@ def test_beams_and_streamers_fall_back():
     assert cache.prefix is None and torch.equal(streamer.seen[-5][0], ids[0])  # the prompt as given
 
 
+def test_continuing_from_a_shared_prefix_cache_is_refused():
+    model = tiny_llama()
+    prefix = tokens(20)
+    ids, mask = left_pad([torch.cat((prefix, tokens(3))), torch.cat((prefix, tokens(6)))])
+    with hshare.patched(model, "dense", prefix="on"):
+        cache = hshare.new_cache(model)
+        out, _ = run(model, ids, mask, cache=cache)
+        with pytest.raises(ValueError, match="shared-prefix layout"):
+            model.generate(out, attention_mask=torch.ones_like(out), max_new_tokens=2, past_key_values=cache,
+                           pad_token_id=0)
+
+
 def test_auto_mode_thresholds():
     model = tiny_llama()
     prefix = tokens(40)
