@@ -2,7 +2,9 @@
 
 Runs one batch of GSM8K questions (a one-shot chat prompt, greedy) with ``dense`` and each preset,
 and prints tokens/s, agreement of the generated tokens with dense, accuracy, KV and label memory,
-and one answer side by side. The eight built-in questions are the first rows of the GSM8K test
+and one answer side by side. ``dense+prefix`` holds the prompts' shared prefix (system prompt and
+the one-shot example) once: same tokens, less KV. The other rows keep ``prefix="off"`` so that
+they show sparse attention alone. The eight built-in questions are the first rows of the GSM8K test
 set (openai/grade-school-math, MIT licence); ``--data-dir`` reads ``gsm8k/test.jsonl`` instead.
 """
 
@@ -21,7 +23,9 @@ import hshare
 from hshare.default_model import load_default_model
 from hshare.eval.fidelity import common_prefix_tokens, gsm8k_gold, last_number, token_agreement
 
-DEMO_PRESETS = ("dense", "streaming", "ds", "hshare-7_8-3_4-1_2", "hshare-3_4-3_4-1_2", "hshare-1_2-1_2-1_2")
+DEMO_PRESETS = ("dense", "dense+prefix", "streaming", "ds", "hshare-7_8-3_4-1_2", "hshare-3_4-3_4-1_2",
+                "hshare-1_2-1_2-1_2")
+PREFIX_SUFFIX = "+prefix"  # "<preset>+prefix": the preset with the prompts' shared prefix held once
 ONE_SHOT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May?",
@@ -80,7 +84,8 @@ class _StepBar:
 def run_preset(model, tokenizer, inputs, preset: str, new_tokens: int, bar) -> RunResult:
     from transformers import LogitsProcessorList
 
-    hshare.patch(model, preset)
+    name, shared = _split_preset(preset)
+    hshare.patch(model, name, prefix="on" if shared else "off")
     cache = hshare.new_cache(model)
     start = time.perf_counter()
     with torch.no_grad():
@@ -89,6 +94,13 @@ def run_preset(model, tokenizer, inputs, preset: str, new_tokens: int, bar) -> R
     seconds = time.perf_counter() - start
     return RunResult(preset, out[:, inputs["input_ids"].shape[1]:], seconds, cache.kv_bytes(), cache.label_bytes(),
                      cache.stats.score_computations)
+
+
+def _split_preset(preset: str) -> tuple[str, bool]:
+    """``"dense+prefix"`` -> ``("dense", True)``: the preset, and whether the shared prefix is held once."""
+    if preset.endswith(PREFIX_SUFFIX):
+        return preset[: -len(PREFIX_SUFFIX)], True
+    return preset, False
 
 
 def _mib(n: int) -> str:
@@ -119,7 +131,7 @@ def run_demo(data_dir: str | None = None, questions: int = 8, new_tokens: int = 
               f"{'KV MiB':>8}{'label MiB':>10}{'scores':>9}")
     print("\n" + header + "\n" + "-" * len(header))
     for result in results:
-        config = hshare.HShareConfig.from_preset(result.preset)
+        config = hshare.HShareConfig.from_preset(_split_preset(result.preset)[0])
         texts = tokenizer.batch_decode(result.new_tokens, skip_special_tokens=True)
         correct = sum(last_number(text) == g for text, g in zip(texts, gold) if g is not None)
         tokens = int((result.new_tokens != tokenizer.pad_token_id).sum())

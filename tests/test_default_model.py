@@ -19,12 +19,14 @@ pytestmark = [
 
 
 def test_demo_path_on_smollm2(capsys):
-    results = run_demo(questions=3, new_tokens=12, presets=("dense", "hshare-1_2-1_2-1_2"))
+    results = run_demo(questions=3, new_tokens=12, presets=("dense", "dense+prefix", "hshare-1_2-1_2-1_2"))
     out = capsys.readouterr().out
-    assert "hshare-1_2-1_2-1_2" in out and "tok/s" in out
-    dense, sparse = results
+    assert "hshare-1_2-1_2-1_2" in out and "dense+prefix" in out and "tok/s" in out
+    dense, shared, sparse = results
     assert dense.new_tokens.shape == sparse.new_tokens.shape == (3, 12)
     assert sparse.label_bytes > 0 and dense.label_bytes == 0 and sparse.score_computations > 0
+    # the one-shot chat prefix held once: the same greedy tokens, less KV
+    assert torch.equal(shared.new_tokens, dense.new_tokens) and shared.kv_bytes < 0.8 * dense.kv_bytes
 
 
 def test_smollm2_uses_bundled_calibration_and_stays_exact_within_budget():
