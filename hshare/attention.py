@@ -78,7 +78,7 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         if prefix is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
-        out, _ = gather_attention(query[:, :, 0], key, value, cache.state.own_columns, scaling, prefix)
+        out, _ = gather_attention(query[:, :, 0], key, value, cache.own_columns(), scaling, prefix)
         return out[:, None], None
     windows = cache.state.windows
     if cache.state.selecting:

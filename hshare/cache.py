@@ -150,6 +150,7 @@ class DecodeState:
     selecting: bool = False
     windows: RowWindows | None = None
     dense_fallback: bool = False
+    valid: torch.Tensor | None = None
     own_columns: torch.Tensor | None = None
     plan: SharingPlan | None = None
     shares: dict[int, LayerShare] = field(default_factory=dict)
@@ -210,6 +211,17 @@ class HShareCache(Cache):
         """Exact attention over the visible prefix levels (`PrefixStore.attend`), or None."""
         return None if self.prefix is None else self.prefix.attend(layer, query, scale)
 
+    def own_columns(self) -> torch.Tensor:
+        """``[B, Hkv, n]`` every valid own column of this decode step (``NO_TOKEN`` elsewhere): the
+        indices of exact attention over the own part next to a shared prefix (built once a step)."""
+        state = self.state
+        if state.own_columns is None:
+            valid = state.valid
+            columns = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+            own = torch.where(valid, columns, torch.full_like(columns, NO_TOKEN))
+            state.own_columns = own[:, None].expand(-1, self.kv_heads, -1).contiguous()
+        return state.own_columns
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.filling_prefix:
             return self.prefix.store(layer_idx, key_states, value_states)
@@ -245,10 +257,7 @@ class HShareCache(Cache):
         state, config = self.state, self.config
         state.step += 1
         self.stats.decode_steps += 1
-        if self.prefix is not None:  # exact attention over the own part of dense layers
-            columns = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
-            own = torch.where(valid, columns, torch.full_like(columns, NO_TOKEN))
-            state.own_columns = own[:, None].expand(-1, self.kv_heads, -1).contiguous()
+        state.valid, state.own_columns = valid, None
         if not self.sparse_layers:
             state.windows, state.selecting = None, False
             return

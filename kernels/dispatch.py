@@ -11,15 +11,20 @@ import os
 import torch
 
 
-def use_triton(tensor: torch.Tensor) -> bool:
+def kernel_mode() -> str:
+    """``HSHARE_KERNELS``: auto (by device), torch (the twins) or triton (the Triton kernels)."""
     mode = os.environ.get("HSHARE_KERNELS", "auto")
     if mode not in ("auto", "torch", "triton"):
         raise ValueError(f"HSHARE_KERNELS={mode!r} is invalid; accepted: auto, torch, triton")
+    return mode
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    mode = kernel_mode()
     return mode == "triton" or (mode == "auto" and tensor.is_cuda)
 
 
 def use_fused(tensor: torch.Tensor) -> bool:
     """Whether a CUDA tensor goes to PyTorch's fused attention kernels (flash / memory-efficient,
     which return the LSE) rather than the plain-PyTorch twin (``HSHARE_KERNELS=torch`` forces it)."""
-    use_triton(tensor)  # validates HSHARE_KERNELS
-    return tensor.is_cuda and os.environ.get("HSHARE_KERNELS", "auto") != "torch"
+    return tensor.is_cuda and kernel_mode() != "torch"
