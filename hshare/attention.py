@@ -52,8 +52,8 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     scaling = module.scaling if scaling is None else scaling
     decoding = q_len == 1 and kv_len > 1
 
-    prefix = cache.prefix_attention(layer_idx, query, scaling)  # exact, over the shared prefix levels
     if not decoding:
+        prefix = cache.prefix_attention(layer_idx, query, scaling)  # exact, over the shared prefix levels
         if layer_idx == 0:
             cache.begin_prefill()
         if prefix is None:
@@ -68,8 +68,7 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
     if layer_idx == 0:
         cache.begin_decode_step(valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0])
-    if prefix is not None:
-        prefix = (prefix[0][:, :, 0], prefix[1][:, :, 0])
+    prefix = cache.prefix_decode_states(layer_idx, query[:, :, 0], scaling)  # exact, unmerged: gather merges it
     layer = cache.layers[layer_idx]
     sparse = cache.is_sparse_layer(layer_idx)
     if sparse:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hshare.kernels import merge_attention_states, shared_prefix_attention
+from hshare.kernels import merge_attention_states, shared_prefix_attention, shared_prefix_decode_states
 
 
 def group_membership(row_group: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +108,7 @@ class PrefixStore:
             level.set_rows(level.row_group.index_select(0, rows.to(level.row_group.device)))
 
     def attend(self, layer: int, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Exact attention of the pass's rows over every visible level, merged by LSE.
+        """Exact attention of the pass's rows (prefill) over every visible level, merged by LSE.
 
         Args:
             query: ``[B, Hq, T, d]``.
@@ -129,6 +129,25 @@ class PrefixStore:
                                            level.key_valid)
             merged = part if merged is None else merge_attention_states(*merged, *part)
         return merged
+
+    def decode_states(self, layer: int, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode attention over every level, unmerged: each level's key splits side by side.
+
+        Args:
+            query: ``[B, Hq, d]``.
+
+        Returns:
+            ``(out [B, Hq, S, d], lse [B, Hq, S])`` for gather-attention's ``partial`` (S = the
+            splits of all levels).
+        """
+        states = []
+        for level in self.levels:
+            members, row_slot = (None, None) if level.all_rows_in_order else (level.members, level.row_slot)
+            states.append(shared_prefix_decode_states(query, level.keys[layer], level.values[layer], scale, members,
+                                                      row_slot, level.key_valid))
+        if len(states) == 1:
+            return states[0]
+        return torch.cat([out for out, _ in states], dim=2), torch.cat([lse for _, lse in states], dim=2)
 
     def nbytes(self) -> int:
         return sum(level.nbytes() for level in self.levels)

@@ -8,8 +8,9 @@ from __future__ import annotations
 from .critical_indices import NO_TOKEN, critical_indices, critical_indices_torch
 from .gather_attention import gather_attention, gather_attention_torch
 from .labels import append_labels, dequantize_labels, label_scores, label_storage_dtype, quantize_labels, score_heads
-from .merge import merge_attention_states
-from .prefix_attention import attention_with_lse, attention_with_lse_torch, shared_prefix_attention
+from .merge import merge_attention_splits, merge_attention_states
+from .prefix_attention import attention_with_lse, attention_with_lse_torch, shared_prefix_attention, \
+    shared_prefix_decode_states
 
 __all__ = [
     "NO_TOKEN",
@@ -23,8 +24,10 @@ __all__ = [
     "gather_attention_torch",
     "label_scores",
     "label_storage_dtype",
+    "merge_attention_splits",
     "merge_attention_states",
     "quantize_labels",
     "score_heads",
     "shared_prefix_attention",
+    "shared_prefix_decode_states",
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import use_triton
-from .merge import merge_attention_states
+from .merge import merge_attention_splits
 
 
 def gather_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
@@ -40,8 +40,9 @@ def gather_attention_torch(query: torch.Tensor, keys: torch.Tensor, values: torc
         indices: ``[B, H_sel, N_c]`` integer token columns in ``[0, n)``; ``-1`` = no token
             (padding, a short row): never read. ``H_sel`` is Hkv or Hq.
         scale: softmax scale (the module's ``scaling``).
-        partial: optional ``(out [B, Hq, d], lse [B, Hq])`` over other keys (a shared prefix) to
-            merge exactly with this part.
+        partial: optional ``(out [B, Hq, S, d], lse [B, Hq, S])``, S >= 1 unmerged partial states
+            over other keys (a shared prefix: its key splits and levels) to merge exactly with this
+            part (an empty one has ``lse = -inf``).
 
     Returns:
         ``(out [B, Hq, d] in query's dtype, lse [B, Hq] fp32, fp64 for fp64 inputs)``. A head with no
@@ -72,5 +73,6 @@ def gather_attention_torch(query: torch.Tensor, keys: torch.Tensor, values: torc
     out = out.reshape(batch, q_heads, dim)
     lse = lse.reshape(batch, q_heads)
     if partial is not None:
-        out, lse = merge_attention_states(out, lse, partial[0].to(acc), partial[1])
+        out, lse = merge_attention_splits(torch.cat((partial[0].to(acc), out[:, :, None]), dim=2),
+                                          torch.cat((partial[1].to(acc), lse[:, :, None]), dim=2))
     return out.to(query.dtype), lse

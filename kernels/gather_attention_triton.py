@@ -4,8 +4,8 @@ Twin of `gather_attention.gather_attention` (same arguments, same results). Flas
 layout: program (row b, selection head s, split j) reads the N_c indices of split j once, gathers
 those K/V rows straight from the cache's buffer (any strides, no copy) and computes the partial
 softmax of all the query heads that read head s (GQA folded into the rows of one ``tl.dot``, so
-each gathered row is read once per group). A second kernel merges the splits, and an optional
-incoming partial (a shared prefix), exactly by log-sum-exp. No power-of-two requirement on N_c
+each gathered row is read once per group). A second kernel merges the splits, and the optional
+incoming partial states (a shared prefix's splits and levels), exactly by log-sum-exp. No power-of-two requirement on N_c
 (tiles are masked), no register cliff at large N_c (the split loop keeps one tile live).
 """
 
@@ -76,44 +76,51 @@ def _gather_attention_split(
 
 @triton.jit
 def _merge_splits(
-    part_out_ptr, part_lse_ptr, prior_out_ptr, prior_lse_ptr, out_ptr, lse_ptr, num_splits,
-    HAS_PRIOR: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr,
+    part_out_ptr, part_lse_ptr, prior_out_ptr, prior_lse_ptr, out_ptr, lse_ptr, num_splits, prior_splits,
+    HAS_PRIOR: tl.constexpr, SPLITS_PAD: tl.constexpr, PRIOR_PAD: tl.constexpr, DIM: tl.constexpr,
 ):
-    row = tl.program_id(0)  # b * Hq + h
-    splits = tl.arange(0, SPLITS_PAD)
+    row = tl.program_id(0).to(tl.int64)  # b * Hq + h
     dims = tl.arange(0, DIM)
+    splits = tl.arange(0, SPLITS_PAD)
     ok = splits < num_splits
     lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=ok, other=float("-inf"))
     outs = tl.load(part_out_ptr + (row * num_splits + splits)[:, None] * DIM + dims[None, :], mask=ok[:, None],
                    other=0.0)
     top = tl.max(lse, 0)
-    if HAS_PRIOR:
-        prior_lse = tl.load(prior_lse_ptr + row).to(tl.float32)
-        top = tl.maximum(top, prior_lse)
+    if HAS_PRIOR:  # partial states over other keys (a shared prefix's splits, its levels)
+        priors = tl.arange(0, PRIOR_PAD)
+        prior_ok = priors < prior_splits
+        prior_lse = tl.load(prior_lse_ptr + row * prior_splits + priors, mask=prior_ok,
+                            other=float("-inf")).to(tl.float32)
+        prior_outs = tl.load(prior_out_ptr + (row * prior_splits + priors)[:, None] * DIM + dims[None, :],
+                             mask=prior_ok[:, None], other=0.0).to(tl.float32)
+        top = tl.maximum(top, tl.max(prior_lse, 0))
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     weights = tl.exp(lse - top_safe)
     total = tl.sum(weights, 0)
-    merged = tl.sum(outs * weights[:, None], 0)
+    merged = tl.sum(tl.where(weights[:, None] > 0, outs * weights[:, None], 0.0), 0)
     if HAS_PRIOR:
-        prior_weight = tl.exp(prior_lse - top_safe)
-        merged += tl.load(prior_out_ptr + row * DIM + dims).to(tl.float32) * prior_weight
-        total += prior_weight
+        prior_weights = tl.exp(prior_lse - top_safe)  # an empty part (lse = -inf) weighs 0, whatever its out
+        merged += tl.sum(tl.where(prior_weights[:, None] > 0, prior_outs * prior_weights[:, None], 0.0), 0)
+        total += tl.sum(prior_weights, 0)
     has = total > 0
     merged = merged / tl.where(has, total, 1.0)
     tl.store(out_ptr + row * DIM + dims, merged.to(out_ptr.dtype.element_ty))
     tl.store(lse_ptr + row, tl.where(has, top_safe + tl.log(tl.where(has, total, 1.0)), float("-inf")))
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
 
 
 def gather_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
-                            scale: float, partial: tuple[torch.Tensor, torch.Tensor] | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `gather_attention` (see there); fp16, bf16 and fp32; head dims 16..256."""
+                            scale: float, partial: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                            block_n: int = BLOCK_N, splits: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `gather_attention` (see there); fp16, bf16 and fp32; head dims 16..256. The
+    keyword-only arguments override the launch configuration (benchmark sweeps)."""
     batch, q_heads, dim = query.shape
     kv_heads, n_keys = keys.shape[1], keys.shape[2]
     sel_heads, budget = indices.shape[1], indices.shape[2]
@@ -126,28 +133,32 @@ def gather_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: tor
     query = query.contiguous()
     indices = indices if indices.stride(-1) == 1 else indices.contiguous()
     group = q_heads // sel_heads
-    tiles = max(1, triton.cdiv(budget, BLOCK_N))
-    wanted_splits = max(1, triton.cdiv(2 * _num_sms(query.device), batch * sel_heads))
+    tiles = max(1, triton.cdiv(budget, block_n))
+    wanted_splits = splits or max(1, triton.cdiv(2 * num_sms(query.device), batch * sel_heads))
     tiles_per_split = triton.cdiv(tiles, min(tiles, wanted_splits))
     num_splits = triton.cdiv(tiles, tiles_per_split)
 
     part_out = torch.empty(batch, q_heads, num_splits, dim, device=query.device, dtype=torch.float32)
     part_lse = torch.empty(batch, q_heads, num_splits, device=query.device, dtype=torch.float32)
+    extra = {key: value for key, value in (("num_warps", num_warps), ("num_stages", num_stages)) if value}
     _gather_attention_split[(batch * sel_heads, num_splits)](
         query, keys, values, indices, part_out, part_lse,
         scale, n_keys, budget, tiles_per_split, num_splits,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), indices.stride(0), indices.stride(1),
         SEL_HEADS=sel_heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        DIM=dim, BLOCK=BLOCK_N,
+        DIM=dim, BLOCK=block_n,
         # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.9): upcast there only
         UPCAST_DOT=os.environ.get("TRITON_INTERPRET") == "1" and query.dtype == torch.bfloat16,
+        **extra,
     )
     out = torch.empty_like(query)
     lse = torch.empty(batch, q_heads, device=query.device, dtype=torch.float32)
-    prior_out, prior_lse = (partial[0].contiguous(), partial[1].float().contiguous()) if partial else (out, lse)
+    prior_out, prior_lse = (partial[0].contiguous(), partial[1].contiguous()) if partial else (part_out, part_lse)
+    prior_splits = prior_lse.shape[-1] if partial else 1
     _merge_splits[(batch * q_heads,)](
-        part_out, part_lse, prior_out, prior_lse, out, lse, num_splits,
-        HAS_PRIOR=partial is not None, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), DIM=dim,
+        part_out, part_lse, prior_out, prior_lse, out, lse, num_splits, prior_splits,
+        HAS_PRIOR=partial is not None, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        PRIOR_PAD=max(2, triton.next_power_of_2(prior_splits)), DIM=dim,
     )
     return out, lse

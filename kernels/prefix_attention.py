@@ -6,10 +6,12 @@ the group's keys. For each group and KV head, the queries of all its rows and of
 reading that KV head become the rows of one matrix product against the group's keys (GQA folded:
 the prefix is read once per group, not once per row or per query head).
 
-`attention_with_lse` is the dense attention both the prefix levels and a row's own part use:
-on CUDA it calls PyTorch's fused kernels that return the LSE (flash attention without a mask,
-memory-efficient attention with one); elsewhere the plain-PyTorch twin `attention_with_lse_torch`
-(the CPU path and the test oracle).
+`attention_with_lse` is the dense attention both the prefix levels and a row's own part use at
+prefill: on CUDA it calls PyTorch's fused kernels that return the LSE (flash attention without a
+mask, memory-efficient attention with one); elsewhere the plain-PyTorch twin
+`attention_with_lse_torch` (the CPU path and the test oracle). At decode,
+`shared_prefix_decode_states` returns the level's attention unmerged, split over its keys (the
+Triton kernel on CUDA), for gather-attention to merge with the row's own part in one pass.
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ from __future__ import annotations
 import torch
 
 from .dispatch import use_fused, use_triton
-from .gather_attention import gather_attention
 
 _TWIN_CHUNK_ELEMENTS = 1 << 26  # logits materialised at once by the twin (fp32: 256 MiB)
-_FEW_ROWS = 64  # below this many query rows per KV head, a decode prefix goes to the split-N gather kernel
 
 
 def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -106,14 +106,6 @@ def shared_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: tor
     batch, q_heads, steps, dim = query.shape
     groups, kv_heads = keys.shape[:2]
     per_kv = q_heads // kv_heads
-    if members is None and steps == 1 and key_valid is None and batch * per_kv < _FEW_ROWS and use_triton(query):
-        # Few rows: one batched product would run on a handful of SMs. The split-N gather kernel
-        # (flash-decoding) spreads the prefix over all SMs; its rows re-read the prefix from L2.
-        length = keys.shape[2]
-        columns = torch.arange(length, device=query.device, dtype=torch.int32).expand(batch, kv_heads, length)
-        out, lse = gather_attention(query[:, :, 0], keys.expand(batch, -1, -1, -1),
-                                    values.expand(batch, -1, -1, -1), columns, scale)
-        return out[:, :, None], lse[:, :, None]
     if members is None:
         width, folded = batch, query
     else:
@@ -136,3 +128,30 @@ def shared_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: tor
     lse = torch.where(in_level, lse.index_select(0, slot), torch.full((), float("-inf"), dtype=lse.dtype,
                                                                        device=lse.device))
     return out, lse
+
+
+def shared_prefix_decode_states(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                                members: torch.Tensor | None = None, row_slot: torch.Tensor | None = None,
+                                key_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of every row over its group's prefix, left unmerged over S key splits.
+
+    The CUDA path is the Triton kernel (`shared_prefix_decode_states_triton`: each prefix tile read
+    once for all rows of a group, S splits filling the GPU); the twin is `shared_prefix_attention`
+    (S = 1). Either result goes to `gather_attention(..., partial=...)`, which merges it with the
+    row's own part exactly.
+
+    Args:
+        query: ``[B, Hq, d]`` one decode query per row and head.
+        keys, values, members, row_slot, key_valid: as in `shared_prefix_attention`.
+
+    Returns:
+        ``(out [B, Hq, S, d], lse [B, Hq, S])`` fp32 (fp64 for fp64 inputs): the softmax over
+        each split's keys and its natural-log LSE; a row in no group, or a split with no valid
+        key, has ``lse = -inf``.
+    """
+    if use_triton(query):
+        from .prefix_attention_triton import shared_prefix_decode_states_triton
+
+        return shared_prefix_decode_states_triton(query, keys, values, scale, members, key_valid)
+    out, lse = shared_prefix_attention(query[:, :, None], keys, values, scale, members, row_slot, key_valid)
+    return out.to(lse.dtype), lse

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from hshare.kernels import dequantize_labels, gather_attention, label_scores, merge_attention_states, quantize_labels
+from hshare.kernels import dequantize_labels, gather_attention, label_scores, merge_attention_splits, \
+    merge_attention_states, quantize_labels
 
 
 @pytest.mark.parametrize("bits", [4, 8, 16])
@@ -93,9 +94,33 @@ def test_merge_equals_attention_over_concatenation():
     cols = torch.arange(30).expand(2, 4, 30)
     whole = gather_attention(q, k, v, cols, 0.3)
     first = gather_attention(q, k, v, cols[..., :11].contiguous(), 0.3)
-    second = gather_attention(q, k, v, cols[..., 11:].contiguous(), 0.3, partial=first)
+    second = gather_attention(q, k, v, cols[..., 11:].contiguous(), 0.3, partial=(first[0][:, :, None],
+                                                                                   first[1][:, :, None]))
     torch.testing.assert_close(second[0], whole[0])
     torch.testing.assert_close(second[1], whole[1])
+
+
+def test_merge_of_splits_equals_attention_over_concatenation():
+    """S partial states (one of them empty) merged at once, and as incoming splits of gather."""
+    q = torch.randn(2, 4, 8, dtype=torch.float64)
+    k = torch.randn(2, 4, 40, 8, dtype=torch.float64)
+    v = torch.randn(2, 4, 40, 8, dtype=torch.float64)
+    cols = torch.arange(40).expand(2, 4, 40)
+    whole = gather_attention(q, k, v, cols, 0.3)
+    bounds = [(0, 7), (7, 7), (7, 23), (23, 31)]  # (7, 7): a split with no key
+    parts = [gather_attention(q, k, v, torch.full((2, 4, 1), -1), 0.3) if a == b else
+             gather_attention(q, k, v, cols[..., a:b].contiguous(), 0.3) for a, b in bounds]
+    parts[1] = (torch.full_like(parts[1][0], float("nan")), parts[1][1])  # an empty part's out is never read
+    out = torch.stack([p[0] for p in parts], dim=2)
+    lse = torch.stack([p[1] for p in parts], dim=2)
+    assert bool(torch.isneginf(lse[:, :, 1]).all())
+    merged = merge_attention_splits(out, lse)
+    head = gather_attention(q, k, v, cols[..., :31].contiguous(), 0.3)
+    torch.testing.assert_close(merged[0], head[0])
+    torch.testing.assert_close(merged[1], head[1])
+    final = gather_attention(q, k, v, cols[..., 31:].contiguous(), 0.3, partial=(out, lse))
+    torch.testing.assert_close(final[0], whole[0])
+    torch.testing.assert_close(final[1], whole[1])
 
 
 def test_merge_of_empty_parts_has_no_nan():

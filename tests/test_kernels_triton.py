@@ -42,11 +42,15 @@ def test_gather_attention_triton_matches_twin(dtype, tol, q_heads, kv_heads, per
     torch.testing.assert_close(lse[~masked].double(), ref_lse[~masked], rtol=tol, atol=tol)
 
 
-def test_gather_attention_triton_merges_an_incoming_partial():
+def test_gather_attention_triton_merges_incoming_partial_states():
+    """Three incoming states over disjoint index ranges (one empty, its out poisoned) + the own part."""
     q, k, v, idx = random_case(2, 4, 2, 2, 90, 40, 16, torch.float32)
     idx[-1, -1, :5] = torch.arange(5, dtype=torch.int32)  # no fully masked head here
-    first = gather_attention_torch(q, k, v, idx[..., :17].contiguous(), 0.25)
-    out, lse = gather_attention_triton(q, k, v, idx[..., 17:].contiguous(), 0.25, partial=first)
+    parts = [gather_attention_torch(q, k, v, idx[..., a:b].contiguous(), 0.25) for a, b in ((0, 9), (9, 17))]
+    empty = (torch.full_like(parts[0][0], float("nan")), torch.full_like(parts[0][1], float("-inf")))
+    parts.insert(1, empty)
+    partial = (torch.stack([p[0] for p in parts], 2), torch.stack([p[1] for p in parts], 2))
+    out, lse = gather_attention_triton(q, k, v, idx[..., 17:].contiguous(), 0.25, partial=partial)
     ref_out, ref_lse = gather_attention_torch(q, k, v, idx, 0.25)
     tol = 5e-3 if DEVICE == "cuda" else 1e-5  # tf32 dot on the GPU; exact fp32 in the interpreter
     torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
@@ -136,18 +140,104 @@ def test_generate_same_with_kernels_and_twins(monkeypatch, preset, prefix):
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-3, atol=1e-3)
 
 
-def test_few_row_prefix_goes_through_gather_kernel(monkeypatch):
-    """Decode over a level-1 prefix with few rows uses the split-N gather kernel: same result."""
+def _reference_over_prefix(q, keys, values, scale, members, key_valid):
+    """fp64 softmax of each row over its group's valid prefix keys: ``(out [B, Hq, d], lse [B, Hq])``."""
+    batch, q_heads, dim = q.shape
+    kv_heads, per_kv = keys.shape[1], q_heads // keys.shape[1]
+    out = torch.zeros(batch, q_heads, dim, dtype=torch.float64)
+    lse = torch.full((batch, q_heads), float("-inf"), dtype=torch.float64)
+    groups = [list(range(batch))] if members is None else [[r for r in m.tolist() if r >= 0] for m in members]
+    for group, rows in enumerate(groups):
+        keep = torch.ones(keys.shape[2], dtype=torch.bool) if key_valid is None else key_valid[group].cpu()
+        for row in rows:
+            for head in range(q_heads):
+                k = keys[group, head // per_kv].cpu().double()[keep]
+                v = values[group, head // per_kv].cpu().double()[keep]
+                logits = (k @ q[row, head].cpu().double()) * scale
+                if len(logits):
+                    lse[row, head] = torch.logsumexp(logits, 0)
+                    out[row, head] = torch.softmax(logits, 0) @ v
+    return out, lse
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2), (4, 1)])  # MHA, GQA, MQA
+@pytest.mark.parametrize("length,splits", [(1, None), (37, 1), (301, 3), (301, None)])
+def test_prefix_decode_states_triton_level_one(q_heads, kv_heads, length, splits):
+    """Level 1 (every row, in order): the unmerged split states merge to exact attention over the
+    prefix, alone and through gather-attention's merge with an own part (fp64 reference)."""
+    from hshare.kernels import merge_attention_splits
+    from hshare.kernels.prefix_attention_triton import shared_prefix_decode_states_triton
+
+    batch, dim, scale = 3, 16, 0.3
+    q = torch.randn(batch, q_heads, dim, device=DEVICE)
+    keys, values = torch.randn(1, kv_heads, length, dim, device=DEVICE), torch.randn(1, kv_heads, length, dim,
+                                                                                        device=DEVICE)
+    states = shared_prefix_decode_states_triton(q, keys, values, scale, splits=splits)
+    assert states[0].shape[:3] == states[1].shape == (batch, q_heads, states[1].shape[2])
+    out, lse = merge_attention_splits(*states)
+    ref_out, ref_lse = _reference_over_prefix(q, keys, values, scale, None, None)
+    tol = 5e-3 if DEVICE == "cuda" else 1e-5  # tf32 dot on the GPU
+    torch.testing.assert_close(out.cpu().double(), ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=tol, atol=tol)
+
+    own_k, own_v, idx = (torch.randn(batch, kv_heads, 20, dim, device=DEVICE),
+                         torch.randn(batch, kv_heads, 20, dim, device=DEVICE),
+                         torch.randint(0, 20, (batch, kv_heads, 6), device=DEVICE))
+    idx[0, 0] = -1  # a head whose own part is empty: the prefix alone
+    got = gather_attention_triton(q, own_k, own_v, idx, scale, partial=states)
+    twin = shared_prefix_decode_states_twin(q, keys, values, scale)
+    want = gather_attention_torch(q.double(), own_k.double(), own_v.double(), idx, scale,
+                                  partial=(twin[0].double(), twin[1].double()))
+    torch.testing.assert_close(got[0].double(), want[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(got[1].double(), want[1], rtol=tol, atol=tol)
+
+
+def shared_prefix_decode_states_twin(q, keys, values, scale, members=None, row_slot=None, key_valid=None):
     from hshare.kernels import shared_prefix_attention
 
-    q = torch.randn(3, 4, 1, 16, device=DEVICE)
-    keys, values = torch.randn(1, 2, 301, 16, device=DEVICE), torch.randn(1, 2, 301, 16, device=DEVICE)
-    monkeypatch.setenv("HSHARE_KERNELS", "torch")
-    want = shared_prefix_attention(q, keys, values, 0.25)
-    monkeypatch.setenv("HSHARE_KERNELS", "triton")
-    got = shared_prefix_attention(q, keys, values, 0.25)
+    out, lse = shared_prefix_attention(q[:, :, None].double(), keys.double(), values.double(), scale, members,
+                                       row_slot, key_valid)
+    return out, lse
+
+
+@pytest.mark.parametrize("block_m", [None, 16])
+def test_prefix_decode_states_triton_groups_not_contiguous(block_m):
+    """Level 2: groups {0, 3} and {4, 1} of 6 rows (rows 2 and 5 in none, a group padded with -1),
+    the second group's keys partly invalid, GQA 6/2: each row's states cover its group only."""
+    from hshare.kernels import merge_attention_splits
+    from hshare.kernels.prefix_attention_triton import shared_prefix_decode_states_triton
+    from hshare.prefix_store import group_membership
+
+    batch, q_heads, kv_heads, dim, scale = 6, 6, 2, 16, 0.25
+    q = torch.randn(batch, q_heads, dim, device=DEVICE)
+    keys, values = torch.randn(2, kv_heads, 70, dim, device=DEVICE), torch.randn(2, kv_heads, 70, dim, device=DEVICE)
+    key_valid = torch.ones(2, 70, dtype=torch.bool, device=DEVICE)
+    key_valid[1, 45:] = False
+    members, row_slot = group_membership(torch.tensor([0, 1, -1, 0, 1, -1], device=DEVICE), 2)
+    members = torch.cat((members, torch.full((2, 1), -1, device=DEVICE, dtype=members.dtype)), 1)  # padded groups
+    states = shared_prefix_decode_states_triton(q, keys, values, scale, members, key_valid, block_m=block_m, splits=2)
+    out, lse = merge_attention_splits(*states)
+    ref_out, ref_lse = _reference_over_prefix(q, keys, values, scale, members, key_valid)
     tol = 5e-3 if DEVICE == "cuda" else 1e-5
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert not out.isnan().any()
+    assert torch.equal(torch.isneginf(lse).cpu(), torch.isneginf(ref_lse))  # rows 2 and 5: in no group
+    torch.testing.assert_close(out.cpu().double(), ref_out, rtol=tol, atol=tol)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.cpu().double()[finite], ref_lse[finite], rtol=tol, atol=tol)
+
+
+def test_prefix_decode_states_dispatch(monkeypatch):
+    """`shared_prefix_decode_states` routes to the kernel or the twin; both merge to the same result."""
+    from hshare.kernels import merge_attention_splits, shared_prefix_decode_states
+
+    q = torch.randn(3, 4, 16, device=DEVICE)
+    keys, values = torch.randn(1, 2, 130, 16, device=DEVICE), torch.randn(1, 2, 130, 16, device=DEVICE)
+    results = []
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("HSHARE_KERNELS", mode)
+        results.append(merge_attention_splits(*shared_prefix_decode_states(q, keys, values, 0.25)))
+    tol = 5e-3 if DEVICE == "cuda" else 1e-5
+    torch.testing.assert_close(results[1], results[0], rtol=tol, atol=tol)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU with > 9 GB free (a cache of more than 2**31 elements)")

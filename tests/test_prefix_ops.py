@@ -74,7 +74,7 @@ def test_two_levels_groups_not_contiguous_and_sparse_own_part():
     level2 = shared_prefix_attention(q, k2, v2, scale, *group_membership(row_group2, 2), key_valid=level2_valid)
     prefix_out, prefix_lse = merge_attention_states(*level1, *level2)
     out, lse = gather_attention_torch(q[:, :, 0], own_k, own_v, indices, scale,
-                                      partial=(prefix_out[:, :, 0], prefix_lse[:, :, 0]))
+                                      partial=(prefix_out, prefix_lse))  # T = 1: one split state
     for row in range(batch):
         parts_k, parts_v = [k1[0]], [v1[0]]
         if row_group2[row] >= 0:
