@@ -68,29 +68,37 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
     if layer_idx == 0:
         cache.begin_decode_step(valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0])
-    prefix = cache.prefix_decode_states(layer_idx, query[:, :, 0], scaling)  # exact, unmerged: gather merges it
     layer = cache.layers[layer_idx]
     sparse = cache.is_sparse_layer(layer_idx)
     if sparse:
         layer.labels.append(key[:, :, layer.labels.length:])
     if not sparse or cache.state.dense_fallback:
-        if prefix is None:
+        if cache.prefix is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
-        out, _ = gather_attention(query[:, :, 0], key, value, cache.own_columns(), scaling, prefix)
-        return out[:, None], None
+        return _decode_attention(cache, layer_idx, query, key, value, cache.own_columns(), scaling), None
     windows = cache.state.windows
     if cache.state.selecting:
         layer.heavy = _select_heavy_columns(cache, layer_idx, query)
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
         layer.heavy = torch.full((batch, cache.sel_heads, cache.config.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
-    if windows.all_short and prefix is None:  # every row fits the budget: exact dense attention
+    if windows.all_short and cache.prefix is None:  # every row fits the budget: exact dense attention
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    indices = windows.critical_indices(layer.heavy)
-    out, _ = gather_attention(query[:, :, 0], key, value, indices, scaling, prefix)
-    return out[:, None], None
+    return _decode_attention(cache, layer_idx, query, key, value, windows.critical_indices(layer.heavy),
+                             scaling), None
+
+
+def _decode_attention(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, indices: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Decode attention over the own columns `indices` (``[B, H_sel, N_c]``) of the rows' cache and,
+    when the cache holds a shared prefix, its levels, merged exactly: ``[B, 1, Hq, d]``."""
+    if cache.prefix is None:
+        out, _ = gather_attention(query[:, :, 0], key, value, indices, scaling)
+    else:
+        out, _ = cache.prefix.decode_attention(layer_idx, query[:, :, 0], scaling, key, value, indices)
+    return out[:, None]
 
 
 def _own_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

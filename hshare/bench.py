@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hshare.config import HShareConfig
-from hshare.kernels import gather_attention, score_heads, shared_prefix_attention
+from hshare.kernels import PrefixKV, gather_attention, score_heads, shared_decode_attention, shared_prefix_decode_states
 from hshare.labels import LabelCache
 from hshare.selection import RowWindows, select_heavy
 
@@ -275,12 +275,12 @@ def bench_prefix(shapes, own=256, q_heads=32, kv_heads=8, dim=128, dtype=torch.b
         own_columns = torch.arange(own, device=device).expand(batch, kv_heads, own).contiguous()
         scale = dim ** -0.5
 
-        def prefix_part():
-            return shared_prefix_attention(q, prefix_k, prefix_v, scale)  # level 1: every row, in order
+        def prefix_part():  # component: level 1 (every row, in order) alone, unmerged split states
+            return shared_prefix_decode_states(q[:, :, 0], prefix_k, prefix_v, scale)
 
-        def shared():
-            out, lse = prefix_part()
-            return gather_attention(q[:, :, 0], own_k, own_v, own_columns, scale, (out[:, :, 0], lse[:, :, 0]))[0]
+        def shared():  # what decode runs: the prefix level and the own part in one pass, merged
+            return shared_decode_attention(q[:, :, 0], PrefixKV(prefix_k, prefix_v), own_k, own_v, own_columns,
+                                           scale)[0]
 
         full_k = torch.cat((prefix_k.expand(batch, -1, -1, -1), own_k), 2)
         full_v = torch.cat((prefix_v.expand(batch, -1, -1, -1), own_v), 2)
@@ -295,8 +295,8 @@ def bench_prefix(shapes, own=256, q_heads=32, kv_heads=8, dim=128, dtype=torch.b
         rows.append(PrefixRow(
             batch=batch, prefix=prefix, own=own, dense_us=dense, fastest_dense=fastest, shared_us=shared_time,
             prefix_part_us=time_us(prefix_part, device),
-            own_part_us=time_us(lambda: gather_attention(q[:, :, 0], own_k, own_v, own_columns, scale,
-                                                         (partial[0][:, :, 0], partial[1][:, :, 0])), device),
+            own_part_us=time_us(lambda: gather_attention(q[:, :, 0], own_k, own_v, own_columns, scale, partial),
+                                device),
             speedup=dense[fastest] / shared_time, max_abs_err=err,
             dense_graph_us=_dense_graph_us(q, full_k, full_v, fastest), shared_graph_us=graph_time_us(shared, device),
             sparse_unshared=_sparse_unshared(q, full_k, full_v) if sparse_choice else None,

@@ -211,11 +211,6 @@ class HShareCache(Cache):
         """Exact attention over the visible prefix levels (`PrefixStore.attend`), or None."""
         return None if self.prefix is None else self.prefix.attend(layer, query, scale)
 
-    def prefix_decode_states(self, layer: int, query: torch.Tensor, scale: float
-                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Decode: the prefix levels' unmerged split states (`PrefixStore.decode_states`), or None."""
-        return None if self.prefix is None else self.prefix.decode_states(layer, query, scale)
-
     def own_columns(self) -> torch.Tensor:
         """``[B, Hkv, n]`` every valid own column of this decode step (``NO_TOKEN`` elsewhere): the
         indices of exact attention over the own part next to a shared prefix (built once a step)."""

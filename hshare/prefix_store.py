@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from hshare.kernels import merge_attention_states, shared_prefix_attention, shared_prefix_decode_states
+from hshare.kernels import PrefixKV, merge_attention_states, shared_decode_attention, shared_prefix_attention, \
+    shared_prefix_decode_states
 
 
 def group_membership(row_group: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,35 +120,41 @@ class PrefixStore:
         visible = self.levels if self.filling is None else self.levels[:self.filling]
         merged = None
         for index, level in enumerate(visible):
-            if self.filling is not None:
-                members, row_slot = self._pass_rows[index]
-            elif level.all_rows_in_order:  # level 1: every row, in order: no gathers
-                members = row_slot = None
-            else:
-                members, row_slot = level.members, level.row_slot
-            part = shared_prefix_attention(query, level.keys[layer], level.values[layer], scale, members, row_slot,
-                                           level.key_valid)
+            kv = self.level_kv(level, layer)
+            if self.filling is not None:  # the pass's rows are the filled level's groups
+                kv = kv._replace(members=self._pass_rows[index][0], row_slot=self._pass_rows[index][1])
+            part = shared_prefix_attention(query, kv.keys, kv.values, scale, kv.members, kv.row_slot, kv.key_valid)
             merged = part if merged is None else merge_attention_states(*merged, *part)
         return merged
 
-    def decode_states(self, layer: int, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode attention over every level, unmerged: each level's key splits side by side.
+    def decode_attention(self, layer: int, query: torch.Tensor, scale: float, keys: torch.Tensor,
+                         values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode: exact attention over every level and the rows' own columns, merged by LSE.
+
+        Level 1 runs in one pass with the own part (`shared_decode_attention`); further levels
+        enter that pass as unmerged split states (`shared_prefix_decode_states`).
 
         Args:
             query: ``[B, Hq, d]``.
+            keys, values: ``[B, Hkv, n, d]`` the rows' own cache; indices ``[B, H_sel, N_c]`` the own
+                columns attended (all valid ones, or the sparse selection), ``-1`` = none.
 
         Returns:
-            ``(out [B, Hq, S, d], lse [B, Hq, S])`` for gather-attention's ``partial`` (S = the
-            splits of all levels).
+            ``(out [B, Hq, d], lse [B, Hq])``.
         """
-        states = []
-        for level in self.levels:
-            members, row_slot = (None, None) if level.all_rows_in_order else (level.members, level.row_slot)
-            states.append(shared_prefix_decode_states(query, level.keys[layer], level.values[layer], scale, members,
-                                                      row_slot, level.key_valid))
-        if len(states) == 1:
-            return states[0]
-        return torch.cat([out for out, _ in states], dim=2), torch.cat([lse for _, lse in states], dim=2)
+        first, *others = [self.level_kv(level, layer) for level in self.levels]
+        partial = None
+        if others:
+            states = [shared_prefix_decode_states(query, kv.keys, kv.values, scale, kv.members, kv.row_slot, kv.key_valid)
+                      for kv in others]
+            partial = (torch.cat([out for out, _ in states], dim=2), torch.cat([lse for _, lse in states], dim=2))
+        return shared_decode_attention(query, first, keys, values, indices, scale, partial)
+
+    @staticmethod
+    def level_kv(level: PrefixLevel, layer: int) -> PrefixKV:
+        if level.all_rows_in_order:  # level 1: every row, in order: no gathers
+            return PrefixKV(level.keys[layer], level.values[layer], key_valid=level.key_valid)
+        return PrefixKV(level.keys[layer], level.values[layer], level.members, level.row_slot, level.key_valid)
 
     def nbytes(self) -> int:
         return sum(level.nbytes() for level in self.levels)

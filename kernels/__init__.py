@@ -11,9 +11,11 @@ from .labels import append_labels, dequantize_labels, label_scores, label_storag
 from .merge import merge_attention_splits, merge_attention_states
 from .prefix_attention import attention_with_lse, attention_with_lse_torch, shared_prefix_attention, \
     shared_prefix_decode_states
+from .shared_decode import PrefixKV, shared_decode_attention, shared_decode_attention_torch
 
 __all__ = [
     "NO_TOKEN",
+    "PrefixKV",
     "critical_indices",
     "critical_indices_torch",
     "append_labels",
@@ -29,5 +31,7 @@ __all__ = [
     "quantize_labels",
     "score_heads",
     "shared_prefix_attention",
+    "shared_decode_attention",
+    "shared_decode_attention_torch",
     "shared_prefix_decode_states",
 ]

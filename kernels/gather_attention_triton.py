@@ -5,13 +5,16 @@ layout: program (row b, selection head s, split j) reads the N_c indices of spli
 those K/V rows straight from the cache's buffer (any strides, no copy) and computes the partial
 softmax of all the query heads that read head s (GQA folded into the rows of one ``tl.dot``, so
 each gathered row is read once per group). A second kernel merges the splits, and the optional
-incoming partial states (a shared prefix's splits and levels), exactly by log-sum-exp. No power-of-two requirement on N_c
-(tiles are masked), no register cliff at large N_c (the split loop keeps one tile live).
+incoming partial states (a shared prefix's splits and levels), exactly by log-sum-exp. No
+power-of-two requirement on N_c (tiles are masked), no register cliff at large N_c (the split loop
+keeps one tile live). `plan_gather` and `merge_parts` are shared with the shared-prefix decode
+kernel, which runs these programs beside the prefix's in one launch.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -21,15 +24,15 @@ BLOCK_N = 64  # gathered rows per tile
 
 
 @triton.jit
-def _gather_attention_split(
-    q_ptr, k_ptr, v_ptr, idx_ptr, part_out_ptr, part_lse_ptr,
-    scale, n_keys, budget, tiles_per_split, num_splits,
+def gather_split_program(
+    q_ptr, k_ptr, v_ptr, idx_ptr, part_out_ptr, part_lse_ptr, pid, split,
+    scale, n_keys, budget, tiles_per_split, split_offset, total_splits,
     s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ib, s_ih,
     SEL_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     DIM: tl.constexpr, BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
+    """One program: (row b, selection head s) = divmod(pid, SEL_HEADS), split `split` of its N_c
+    indices; writes split ``split_offset + split`` of ``total_splits`` in the part buffers."""
     b = (pid // SEL_HEADS).to(tl.int64)  # 64-bit offsets: a cache may hold more than 2**31 elements
     s = pid % SEL_HEADS
     kv = (s * KV_HEADS // SEL_HEADS).to(tl.int64)
@@ -69,9 +72,23 @@ def _gather_attention_split(
     out = acc / tl.where(has, l, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
     head = s * GROUP + rows
-    part = (b * SEL_HEADS * GROUP + head) * num_splits + split  # [B, Hq, splits]
+    part = (b * SEL_HEADS * GROUP + head) * total_splits + split_offset + split  # [B, Hq, splits]
     tl.store(part_out_ptr + part[:, None] * DIM + dims[None, :], out, mask=row_ok[:, None])
     tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _gather_attention_split(
+    q_ptr, k_ptr, v_ptr, idx_ptr, part_out_ptr, part_lse_ptr,
+    scale, n_keys, budget, tiles_per_split, num_splits,
+    s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ib, s_ih,
+    SEL_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    DIM: tl.constexpr, BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    gather_split_program(q_ptr, k_ptr, v_ptr, idx_ptr, part_out_ptr, part_lse_ptr, tl.program_id(0), tl.program_id(1),
+                         scale, n_keys, budget, tiles_per_split, 0, num_splits,
+                         s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ib, s_ih,
+                         SEL_HEADS, KV_HEADS, GROUP, GROUP_PAD, DIM, BLOCK, UPCAST_DOT)
 
 
 @triton.jit
@@ -115,12 +132,27 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-def gather_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
-                            scale: float, partial: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-                            block_n: int = BLOCK_N, splits: int | None = None, num_warps: int | None = None,
-                            num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `gather_attention` (see there); fp16, bf16 and fp32; head dims 16..256. The
-    keyword-only arguments override the launch configuration (benchmark sweeps)."""
+@dataclass
+class GatherLaunch:
+    """The arguments of one gather-attention launch but its part buffers (`plan_gather`)."""
+
+    programs: int  # B x H_sel
+    num_splits: int
+    tensors: tuple  # query, keys, values, indices
+    scalars: tuple  # scale, n_keys, budget, tiles_per_split
+    strides: tuple
+    constexprs: dict
+
+
+def upcast_dot(query: torch.Tensor) -> bool:
+    """Triton's CPU interpreter computes bf16 ``tl.dot`` wrongly (triton 3.9): upcast there only."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and query.dtype == torch.bfloat16
+
+
+def plan_gather(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, scale: float,
+                block_n: int = BLOCK_N, splits: int | None = None) -> GatherLaunch:
+    """Check the inputs (contract of `gather_attention`) and choose the split over N_c: about two
+    waves of the GPU's SMs."""
     batch, q_heads, dim = query.shape
     kv_heads, n_keys = keys.shape[1], keys.shape[2]
     sel_heads, budget = indices.shape[1], indices.shape[2]
@@ -136,24 +168,25 @@ def gather_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: tor
     tiles = max(1, triton.cdiv(budget, block_n))
     wanted_splits = splits or max(1, triton.cdiv(2 * num_sms(query.device), batch * sel_heads))
     tiles_per_split = triton.cdiv(tiles, min(tiles, wanted_splits))
-    num_splits = triton.cdiv(tiles, tiles_per_split)
-
-    part_out = torch.empty(batch, q_heads, num_splits, dim, device=query.device, dtype=torch.float32)
-    part_lse = torch.empty(batch, q_heads, num_splits, device=query.device, dtype=torch.float32)
-    extra = {key: value for key, value in (("num_warps", num_warps), ("num_stages", num_stages)) if value}
-    _gather_attention_split[(batch * sel_heads, num_splits)](
-        query, keys, values, indices, part_out, part_lse,
-        scale, n_keys, budget, tiles_per_split, num_splits,
-        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), indices.stride(0), indices.stride(1),
-        SEL_HEADS=sel_heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        DIM=dim, BLOCK=block_n,
-        # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.9): upcast there only
-        UPCAST_DOT=os.environ.get("TRITON_INTERPRET") == "1" and query.dtype == torch.bfloat16,
-        **extra,
+    return GatherLaunch(
+        programs=batch * sel_heads, num_splits=triton.cdiv(tiles, tiles_per_split),
+        tensors=(query, keys, values, indices), scalars=(scale, n_keys, budget, tiles_per_split),
+        strides=(query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+                 values.stride(0), values.stride(1), values.stride(2), indices.stride(0), indices.stride(1)),
+        constexprs=dict(SEL_HEADS=sel_heads, KV_HEADS=kv_heads, GROUP=group,
+                        GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=block_n,
+                        UPCAST_DOT=upcast_dot(query)),
     )
-    out = torch.empty_like(query)
+
+
+def merge_parts(query: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
+                partial: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge ``part_out [B, Hq, S, d]``, ``part_lse [B, Hq, S]`` (fp32) and the incoming partial
+    states by LSE: ``(out [B, Hq, d] in query's dtype, lse [B, Hq] fp32)``."""
+    batch, q_heads, dim = query.shape
+    out = torch.empty(batch, q_heads, dim, device=query.device, dtype=query.dtype)
     lse = torch.empty(batch, q_heads, device=query.device, dtype=torch.float32)
+    num_splits = part_lse.shape[-1]
     prior_out, prior_lse = (partial[0].contiguous(), partial[1].contiguous()) if partial else (part_out, part_lse)
     prior_splits = prior_lse.shape[-1] if partial else 1
     _merge_splits[(batch * q_heads,)](
@@ -162,3 +195,24 @@ def gather_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: tor
         PRIOR_PAD=max(2, triton.next_power_of_2(prior_splits)), DIM=dim,
     )
     return out, lse
+
+
+def launch_options(num_warps: int | None, num_stages: int | None) -> dict:
+    return {key: value for key, value in (("num_warps", num_warps), ("num_stages", num_stages)) if value}
+
+
+def gather_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
+                            scale: float, partial: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                            block_n: int = BLOCK_N, splits: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `gather_attention` (see there); fp16, bf16 and fp32; head dims 16..256. The
+    keyword-only arguments override the launch configuration (benchmark sweeps)."""
+    launch = plan_gather(query, keys, values, indices, scale, block_n, splits)
+    batch, q_heads, dim = query.shape
+    part_out = torch.empty(batch, q_heads, launch.num_splits, dim, device=query.device, dtype=torch.float32)
+    part_lse = torch.empty(batch, q_heads, launch.num_splits, device=query.device, dtype=torch.float32)
+    _gather_attention_split[(launch.programs, launch.num_splits)](
+        *launch.tensors, part_out, part_lse, *launch.scalars, launch.num_splits, *launch.strides,
+        **launch.constexprs, **launch_options(num_warps, num_stages),
+    )
+    return merge_parts(query, part_out, part_lse, partial)

@@ -13,27 +13,26 @@ them with the row's own part in the same pass (no separate merge launch for the 
 from __future__ import annotations
 
 import math
-import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .gather_attention_triton import num_sms
+from .gather_attention_triton import launch_options, num_sms, upcast_dot
 
 
 @triton.jit
-def _prefix_attention_split(
-    q_ptr, k_ptr, v_ptr, members_ptr, valid_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2, width, length, tiles_per_split, num_splits,
+def prefix_split_program(
+    q_ptr, k_ptr, v_ptr, members_ptr, valid_ptr, part_out_ptr, part_lse_ptr, tile_m, group_head, split,
+    scale_log2, width, length, tiles_per_split, split_offset, total_splits,
     s_qb, s_qh, s_kg, s_kh, s_kn, s_vg, s_vh, s_vn, s_mg, s_valid,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PER_KV: tl.constexpr, DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MEMBERS: tl.constexpr, HAS_VALID: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    tile_m = tl.program_id(0)
-    group_head = tl.program_id(1)
-    split = tl.program_id(2)
+    """One program: folded query rows ``tile_m * BLOCK_M + [0, BLOCK_M)`` of group x KV head
+    `group_head`, key split `split`; writes split ``split_offset + split`` of ``total_splits``."""
     group = (group_head // KV_HEADS).to(tl.int64)  # 64-bit offsets: a level may hold > 2**31 elements
     kv = (group_head % KV_HEADS).to(tl.int64)
     folded = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -79,27 +78,93 @@ def _prefix_attention_split(
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
     lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))  # natural log
-    part = (row * Q_HEADS + head) * num_splits + split  # [B, Hq, splits]
+    part = (row * Q_HEADS + head) * total_splits + split_offset + split  # [B, Hq, splits]
     tl.store(part_out_ptr + part[:, None] * DIM + dims[None, :], out, mask=row_ok[:, None])
     tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-def prefix_launch_config(folded_rows: int, work_items: int, length: int, device: torch.device,
-                         block_m: int | None = None, block_n: int | None = None,
-                         splits: int | None = None) -> tuple[int, int, int, int]:
-    """Tile sizes and key split of one level: ``(block_m, block_n, tiles_per_split, num_splits)``.
+@triton.jit
+def _prefix_attention_split(
+    q_ptr, k_ptr, v_ptr, members_ptr, valid_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2, width, length, tiles_per_split, num_splits,
+    s_qb, s_qh, s_kg, s_kh, s_kn, s_vg, s_vh, s_vn, s_mg, s_valid,
+    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PER_KV: tl.constexpr, DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MEMBERS: tl.constexpr, HAS_VALID: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    prefix_split_program(q_ptr, k_ptr, v_ptr, members_ptr, valid_ptr, part_out_ptr, part_lse_ptr,
+                         tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                         scale_log2, width, length, tiles_per_split, 0, num_splits,
+                         s_qb, s_qh, s_kg, s_kh, s_kn, s_vg, s_vh, s_vn, s_mg, s_valid,
+                         Q_HEADS, KV_HEADS, PER_KV, DIM, BLOCK_M, BLOCK_N, HAS_MEMBERS, HAS_VALID, UPCAST_DOT)
 
-    ``folded_rows`` = rows of a group x (Hq / Hkv); ``work_items`` = groups x Hkv. The split count
-    fills about two waves of the GPU's SMs (FlashDecoding) without splits of less than one tile.
-    """
-    if block_m is None:
-        block_m = 16 if folded_rows <= 16 else 64 if folded_rows <= 256 else 128
-    block_n = block_n or 64
+
+@dataclass
+class PrefixLaunch:
+    """The arguments of one prefix-level launch but its part buffers (`plan_prefix`)."""
+
+    grid: tuple[int, int, int]  # query tiles, groups x Hkv, splits
+    tensors: tuple  # query, keys, values, members (or a placeholder), key_valid as uint8 (or a placeholder)
+    scalars: tuple  # scale_log2, width, length, tiles_per_split
+    strides: tuple
+    constexprs: dict
+    num_stages: int
+    rows_outside: bool  # with members, some rows may be in no group: their states must start empty
+
+    @property
+    def num_splits(self) -> int:
+        return self.grid[2]
+
+
+def plan_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                members: torch.Tensor | None = None, key_valid: torch.Tensor | None = None,
+                block_m: int | None = None, block_n: int | None = None, splits: int | None = None) -> PrefixLaunch:
+    """Check the inputs and choose tiles and the key split (defaults from `benchmarks/tune_kernels.py`
+    on the H100: 16-row query tiles for <= 16 folded rows, else 64 x 32-key tiles, 3 stages; the
+    split count fills about two waves of the SMs, FlashDecoding)."""
+    batch, q_heads, dim = query.shape
+    groups, kv_heads, length = keys.shape[:3]
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads {q_heads} are not a multiple of the prefix's KV heads {kv_heads}")
+    if dim & (dim - 1) or not 16 <= dim <= 256:
+        raise ValueError(f"head_dim {dim} is not supported by the Triton kernel; accepted: 16, 32, 64, 128, 256")
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("prefix keys/values must be contiguous in the head dimension")
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    per_kv = q_heads // kv_heads
+    width = batch if members is None else members.shape[1]
+    folded = width * per_kv
+    block_m = block_m or (16 if folded <= 16 else 64)
+    block_n = block_n or (64 if block_m < 64 else 32)
     tiles = max(1, triton.cdiv(length, block_n))
-    programs = triton.cdiv(folded_rows, block_m) * work_items
-    wanted = splits or max(1, triton.cdiv(2 * num_sms(device), programs))
+    m_tiles = triton.cdiv(folded, block_m)
+    wanted = splits or max(1, triton.cdiv(2 * num_sms(query.device), m_tiles * groups * kv_heads))
     tiles_per_split = triton.cdiv(tiles, min(tiles, wanted))
-    return block_m, block_n, tiles_per_split, triton.cdiv(tiles, tiles_per_split)
+    return PrefixLaunch(
+        grid=(m_tiles, groups * kv_heads, triton.cdiv(tiles, tiles_per_split)),
+        tensors=(query, keys, values, members if members is not None else query,
+                 key_valid.view(torch.uint8) if key_valid is not None else query),
+        scalars=(scale * math.log2(math.e), width, length, tiles_per_split),
+        strides=(query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+                 values.stride(0), values.stride(1), values.stride(2),
+                 members.stride(0) if members is not None else 0, key_valid.stride(0) if key_valid is not None else 0),
+        constexprs=dict(Q_HEADS=q_heads, KV_HEADS=kv_heads, PER_KV=per_kv, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                        HAS_MEMBERS=members is not None, HAS_VALID=key_valid is not None,
+                        UPCAST_DOT=upcast_dot(query)),
+        num_stages=3 if block_m >= 64 else 2,
+        rows_outside=members is not None,
+    )
+
+
+def new_parts(query: torch.Tensor, num_splits: int, empty: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Part buffers ``(out [B, Hq, S, d], lse [B, Hq, S])`` fp32; ``empty``: lse starts at -inf (a
+    row in no group of a level keeps it: a no-op in the merge)."""
+    batch, q_heads, dim = query.shape
+    part_out = torch.empty(batch, q_heads, num_splits, dim, device=query.device, dtype=torch.float32)
+    shape = (batch, q_heads, num_splits)
+    part_lse = (torch.full(shape, float("-inf"), device=query.device, dtype=torch.float32) if empty else
+                torch.empty(shape, device=query.device, dtype=torch.float32))
+    return part_out, part_lse
 
 
 def shared_prefix_decode_states_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -110,41 +175,10 @@ def shared_prefix_decode_states_triton(query: torch.Tensor, keys: torch.Tensor, 
                                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `shared_prefix_decode_states` (see there); the keyword-only arguments
     override the launch configuration (benchmark sweeps)."""
-    batch, q_heads, dim = query.shape
-    groups, kv_heads, length = keys.shape[:3]
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads {q_heads} are not a multiple of the prefix's KV heads {kv_heads}")
-    if dim & (dim - 1) or not 16 <= dim <= 256:
-        raise ValueError(f"head_dim {dim} is not supported by the Triton kernel; accepted: 16, 32, 64, 128, 256")
-    if keys.stride(-1) != 1 or values.stride(-1) != 1:
-        raise ValueError("prefix keys/values must be contiguous in the head dimension")
-    per_kv = q_heads // kv_heads
-    width = batch if members is None else members.shape[1]
-    block_m, block_n, tiles_per_split, num_splits = prefix_launch_config(
-        width * per_kv, groups * kv_heads, length, query.device, block_m, block_n, splits)
-    query = query if query.stride(-1) == 1 else query.contiguous()
-    part_out = torch.empty(batch, q_heads, num_splits, dim, device=query.device, dtype=torch.float32)
-    if members is None:  # every row, in order: every (row, head, split) is written
-        part_lse = torch.empty(batch, q_heads, num_splits, device=query.device, dtype=torch.float32)
-    else:  # a row in no group of this level keeps lse = -inf: a no-op in the merge
-        part_lse = torch.full((batch, q_heads, num_splits), float("-inf"), device=query.device, dtype=torch.float32)
-    members_arg = members if members is not None else part_lse
-    valid_arg = key_valid.view(torch.uint8) if key_valid is not None else part_lse
-    extra = {} if num_warps is None else {"num_warps": num_warps}
-    if num_stages is not None:
-        extra["num_stages"] = num_stages
-    elif query.is_cuda:
-        extra["num_stages"] = 3 if block_m >= 64 else 2
-    _prefix_attention_split[(triton.cdiv(width * per_kv, block_m), groups * kv_heads, num_splits)](
-        query, keys, values, members_arg, valid_arg, part_out, part_lse,
-        scale * math.log2(math.e), width, length, tiles_per_split, num_splits,
-        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2),
-        members.stride(0) if members is not None else 0, key_valid.stride(0) if key_valid is not None else 0,
-        Q_HEADS=q_heads, KV_HEADS=kv_heads, PER_KV=per_kv, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_MEMBERS=members is not None, HAS_VALID=key_valid is not None,
-        # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.9): upcast there only
-        UPCAST_DOT=os.environ.get("TRITON_INTERPRET") == "1" and query.dtype == torch.bfloat16,
-        **extra,
+    launch = plan_prefix(query, keys, values, scale, members, key_valid, block_m, block_n, splits)
+    part_out, part_lse = new_parts(query, launch.num_splits, launch.rows_outside)
+    _prefix_attention_split[launch.grid](
+        *launch.tensors, part_out, part_lse, *launch.scalars, launch.num_splits, *launch.strides,
+        **launch.constexprs, **launch_options(num_warps, num_stages or (launch.num_stages if query.is_cuda else None)),
     )
     return part_out, part_lse

@@ -273,3 +273,40 @@ def test_critical_indices_triton_matches_twin(sink, local, heavy):
     got = critical_indices_triton(picks, windows.sink, windows.local, windows.dense, windows.middle, windows.short)
     want = critical_indices_torch(picks, windows.sink, windows.local, windows.dense, windows.middle, windows.short)
     assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,sel_per_query", [(4, 4, False), (8, 2, False), (8, 2, True), (4, 1, False)])
+@pytest.mark.parametrize("level", ["all rows", "groups"])
+def test_shared_decode_attention_triton_matches_twin(q_heads, kv_heads, sel_per_query, level):
+    """One launch (prefix programs beside the own part's gather programs) against the fp64 twin:
+    level 1 of every row, or non-contiguous groups with a row in none, a padded group and invalid
+    keys; sparse own indices with padding and a head with no own token; further incoming states."""
+    from hshare.kernels import PrefixKV, shared_decode_attention_torch, shared_prefix_decode_states
+    from hshare.kernels.shared_decode_triton import shared_decode_attention_triton
+    from hshare.prefix_store import group_membership
+
+    batch, dim, scale = 5, 16, 0.3
+    q, own_k, own_v, idx = random_case(batch, q_heads, kv_heads, q_heads if sel_per_query else kv_heads, 40, 9, dim,
+                                       torch.float32)
+    if level == "all rows":
+        prefix = PrefixKV(torch.randn(1, kv_heads, 75, dim, device=DEVICE), torch.randn(1, kv_heads, 75, dim,
+                                                                                         device=DEVICE))
+    else:
+        members, row_slot = group_membership(torch.tensor([1, 0, -1, 1, 0], device=DEVICE), 2)
+        key_valid = torch.ones(2, 50, dtype=torch.bool, device=DEVICE)
+        key_valid[0, 31:] = False
+        prefix = PrefixKV(torch.randn(2, kv_heads, 50, dim, device=DEVICE), torch.randn(2, kv_heads, 50, dim,
+                                                                                         device=DEVICE),
+                          members, row_slot, key_valid)
+    other = PrefixKV(torch.randn(1, kv_heads, 20, dim, device=DEVICE), torch.randn(1, kv_heads, 20, dim, device=DEVICE))
+    partial = shared_prefix_decode_states(q, *other[:2], scale)
+    out, lse = shared_decode_attention_triton(q, prefix.keys, prefix.values, prefix.members, prefix.key_valid,
+                                              own_k, own_v, idx, scale, partial)
+    double = PrefixKV(prefix.keys.double(), prefix.values.double(), *prefix[2:])
+    want_partial = shared_prefix_decode_states(q.double(), other.keys.double(), other.values.double(), scale)
+    ref_out, ref_lse = shared_decode_attention_torch(q.double(), double, own_k.double(), own_v.double(), idx, scale,
+                                                     want_partial)
+    tol = 5e-3 if DEVICE == "cuda" else 1e-5  # tf32 dot on the GPU
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)

@@ -1,0 +1,145 @@
+"""Launch-configuration sweep of the decode kernels on the GPU (device machine), to choose defaults.
+
+1. Shared-prefix decode kernel (`shared_prefix_decode_states_triton`), GQA 32/8, d 128, bf16, at
+   the `hshare bench prefix` shapes: tile configs with the automatic split, then split counts
+   with the best tiles. Time of the kernel alone, as a CUDA graph (GPU time), microseconds.
+2. Gather-attention (`gather_attention_triton`) over a dense own part (256 tokens, the prefix
+   benchmark's own part) and over N_c = 512 random rows of a 4k context (the sparse path):
+   BLOCK_N, warps and stages.
+3. The whole shared step: prefix states + own part in two launches, in one launch
+   (`shared_decode_attention_triton`, a few warps/stages), and dense SDPA.
+
+Writes ``$OUT/tune_kernels.json`` and prints short tables. Arguments pick sections
+(``prefix gather step``; default all).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+
+import torch
+import triton.testing
+
+from hshare.bench import _dense_graph_us, dense_sdpa_us
+from hshare.kernels.gather_attention_triton import gather_attention_triton
+from hshare.kernels.prefix_attention_triton import shared_prefix_decode_states_triton
+from hshare.kernels.shared_decode_triton import shared_decode_attention_triton
+
+SHAPES = [(2, 2048), (2, 8192), (64, 2048), (64, 8192), (256, 2048), (256, 8192)]
+Q_HEADS, KV_HEADS, DIM, OWN = 32, 8, 128, 256
+
+
+def graph_us(fn) -> float | None:
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return triton.testing.do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3
+    except Exception as error:  # noqa: BLE001 - a config that does not compile or fit: skipped
+        print(f"   skipped: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+        return None
+
+
+def best(results: dict) -> tuple:
+    timed = {k: v for k, v in results.items() if v is not None}
+    return min(timed, key=timed.get)
+
+
+def main() -> None:
+    out_dir = os.environ.get("OUT", ".")
+    torch.manual_seed(0)
+    scale = DIM ** -0.5
+    report = {"device": torch.cuda.get_device_name(), "prefix": [], "gather": [], "step": []}
+    sections = sys.argv[1:] or ["prefix", "gather", "step"]
+
+    print("prefix kernel (graph us): B P | auto | best tiles (bm, bn, warps, stages) | best splits")
+    for batch, prefix in SHAPES if "prefix" in sections else ():
+        q = torch.randn(batch, Q_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        keys = torch.randn(1, KV_HEADS, prefix, DIM, device="cuda", dtype=torch.bfloat16)
+        values = torch.randn_like(keys)
+        auto = graph_us(lambda: shared_prefix_decode_states_triton(q, keys, values, scale))
+        tiles = {}
+        block_ms = (16, 32) if batch * Q_HEADS // KV_HEADS <= 16 else (64, 128)
+        for bm, bn, warps, stages in itertools.product(block_ms, (32, 64, 128), (4, 8), (2, 3, 4)):
+            tiles[(bm, bn, warps, stages)] = graph_us(lambda: shared_prefix_decode_states_triton(
+                q, keys, values, scale, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages))
+        bm, bn, warps, stages = best(tiles)
+        splits = {}
+        for count in (1, 2, 3, 4, 6, 8, 16, 32, 64):
+            splits[count] = graph_us(lambda: shared_prefix_decode_states_triton(
+                q, keys, values, scale, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, splits=count))
+        chosen = best(splits)
+        print(f"{batch:4d} {prefix:5d} | {auto:7.1f} | {tiles[(bm, bn, warps, stages)]:7.1f} {(bm, bn, warps, stages)}"
+              f" | {splits[chosen]:7.1f} splits={chosen}")
+        report["prefix"].append({"batch": batch, "prefix": prefix, "auto_us": auto,
+                                 "tiles": {str(k): v for k, v in tiles.items()},
+                                 "splits": {str(k): v for k, v in splits.items()},
+                                 "best": {"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages,
+                                          "splits": chosen, "us": splits[chosen]}})
+
+    print("gather kernel (graph us): case | auto | best (block_n, warps, stages) | GB/s at best")
+    gather_cases = [("own256 B256", 256, 8, 32, 256, 256, True), ("own256 B64", 64, 8, 32, 256, 256, True),
+                    ("own256 B2", 2, 8, 32, 256, 256, True), ("Nc512 n4k B16 MHA", 16, 32, 32, 4096, 512, False),
+                    ("Nc512 n4k B64 GQA", 64, 8, 32, 4096, 512, False)]
+    for name, batch, kv_heads, q_heads, n, budget, dense in gather_cases if "gather" in sections else ():
+        q = torch.randn(batch, q_heads, DIM, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, kv_heads, n, DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        if dense:
+            idx = torch.arange(n, device="cuda").expand(batch, kv_heads, n).contiguous()
+        else:
+            idx = torch.rand(batch, kv_heads, n, device="cuda").argsort(-1)[..., :budget].sort(-1).values
+        auto = graph_us(lambda: gather_attention_triton(q, k, v, idx, scale))
+        configs = {}
+        for bn, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3)):
+            configs[(bn, warps, stages)] = graph_us(lambda: gather_attention_triton(
+                q, k, v, idx, scale, block_n=bn, num_warps=warps, num_stages=stages))
+        chosen = best(configs)
+        moved = batch * kv_heads * budget * DIM * 2 * 2 + idx.numel() * idx.element_size()
+        print(f"{name:20s} | {auto:7.1f} | {configs[chosen]:7.1f} {chosen} | {moved / configs[chosen] / 1e3:6.0f}")
+        report["gather"].append({"case": name, "auto_us": auto, "configs": {str(k): v for k, v in configs.items()},
+                                 "best": {"block_n": chosen[0], "num_warps": chosen[1], "num_stages": chosen[2],
+                                          "us": configs[chosen]}, "bytes": moved})
+
+    print("whole shared step (graph us): B P | dense | two launches | one launch (warps, stages) | ratio")
+    for batch, prefix in SHAPES if "step" in sections else ():
+        q = torch.randn(batch, Q_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        keys = torch.randn(1, KV_HEADS, prefix, DIM, device="cuda", dtype=torch.bfloat16)
+        values = torch.randn_like(keys)
+        own_k = torch.randn(batch, KV_HEADS, OWN, DIM, device="cuda", dtype=torch.bfloat16)
+        own_v = torch.randn_like(own_k)
+        cols = torch.arange(OWN, device="cuda").expand(batch, KV_HEADS, OWN).contiguous()
+        separate = graph_us(lambda: gather_attention_triton(
+            q, own_k, own_v, cols, scale, partial=shared_prefix_decode_states_triton(q, keys, values, scale)))
+        fused = {}
+        for warps, stages in ((None, None), (4, 2), (4, 3), (8, 3)):
+            fused[(warps, stages)] = graph_us(lambda: shared_decode_attention_triton(
+                q, keys, values, None, None, own_k, own_v, cols, scale, num_warps=warps, num_stages=stages))
+        chosen = best(fused)
+        shared = fused[(None, None)]
+        full_k = torch.cat((keys.expand(batch, -1, -1, -1), own_k), 2)
+        full_v = torch.cat((values.expand(batch, -1, -1, -1), own_v), 2)
+        fastest = min((d := dense_sdpa_us(q[:, :, None], full_k, full_v)), key=d.get)
+        dense = _dense_graph_us(q[:, :, None], full_k, full_v, fastest)
+        print(f"{batch:4d} {prefix:5d} | {dense:7.1f} | {separate:7.1f} | {shared:7.1f} best {fused[chosen]:7.1f} "
+              f"{chosen} | {dense / shared:5.2f}x")
+        report["step"].append({"batch": batch, "prefix": prefix, "dense_graph_us": dense,
+                                              "dense_backend": fastest, "two_launches_graph_us": separate,
+                                              "one_launch_graph_us": {str(k): v for k, v in fused.items()}})
+        del full_k, full_v
+
+    with open(os.path.join(out_dir, "tune_kernels.json"), "w") as handle:
+        json.dump(report, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
