@@ -13,6 +13,7 @@ kernel, which runs these programs beside the prefix's in one launch.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -127,9 +128,14 @@ def _merge_splits(
 
 
 def num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    """Streaming multiprocessors of a CUDA device (4 for the CPU interpreter); cached per device."""
+    return _num_sms(device.type, device.index if device.index is not None else torch.cuda.current_device()
+                    if device.type == "cuda" else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(kind: str, index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count if kind == "cuda" else 4
 
 
 @dataclass
