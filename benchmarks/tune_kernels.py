@@ -21,9 +21,8 @@ import os
 import sys
 
 import torch
-import triton.testing
 
-from hshare.bench import _dense_graph_us, dense_sdpa_us
+from hshare.bench import _dense_graph_us, dense_sdpa_us, graph_time_us
 from hshare.kernels.gather_attention_triton import gather_attention_triton
 from hshare.kernels.prefix_attention_triton import shared_prefix_decode_states_triton
 from hshare.kernels.shared_decode_triton import shared_decode_attention_triton
@@ -33,20 +32,7 @@ Q_HEADS, KV_HEADS, DIM, OWN = 32, 8, 128, 256
 
 
 def graph_us(fn) -> float | None:
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return triton.testing.do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3
-    except Exception as error:  # noqa: BLE001 - a config that does not compile or fit: skipped
-        print(f"   skipped: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
-        return None
+    return graph_time_us(fn, torch.device("cuda"), warmup_ms=5, rep_ms=30)
 
 
 def best(results: dict) -> tuple:

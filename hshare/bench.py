@@ -53,9 +53,10 @@ def time_us(fn: Callable[[], object], device: torch.device) -> float:
     return _cpu_time_us(fn)
 
 
-def graph_time_us(fn: Callable[[], object], device: torch.device) -> float | None:
+def graph_time_us(fn: Callable[[], object], device: torch.device, warmup_ms: int = 25,
+                  rep_ms: int = 100) -> float | None:
     """GPU time of `fn` replayed as a CUDA graph (no host launch overhead); None off CUDA or when
-    `fn` cannot be captured."""
+    `fn` cannot be captured (or, in a sweep, a launch configuration does not compile or fit)."""
     if device.type != "cuda":
         return None
     import triton.testing
@@ -72,7 +73,7 @@ def graph_time_us(fn: Callable[[], object], device: torch.device) -> float | Non
             fn()
     except Exception:  # noqa: BLE001 - a host sync or allocation inside fn: not capturable
         return None
-    return triton.testing.do_bench(graph.replay, return_mode="median") * 1e3
+    return triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
 
 
 def _cpu_time_us(fn: Callable[[], object]) -> float:

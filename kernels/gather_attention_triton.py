@@ -14,6 +14,7 @@ kernel, which runs these programs beside the prefix's in one launch.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -21,13 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .online_softmax_triton import finish_softmax, online_softmax_tile
+
 BLOCK_N = 64  # gathered rows per tile
 
 
 @triton.jit
 def gather_split_program(
     q_ptr, k_ptr, v_ptr, idx_ptr, part_out_ptr, part_lse_ptr, pid, split,
-    scale, n_keys, budget, tiles_per_split, split_offset, total_splits,
+    scale_log2, n_keys, budget, tiles_per_split, split_offset, total_splits,
     s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ib, s_ih,
     SEL_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     DIM: tl.constexpr, BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -55,23 +58,9 @@ def gather_split_program(
         ok = (cols >= 0) & (cols < n_keys)
         cols = tl.where(ok, cols, 0).to(tl.int64)
         k = tl.load(k_ptr + b * s_kb + kv * s_kh + cols[:, None] * s_kn + dims[None, :], mask=ok[:, None], other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-        scores = tl.where(ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
         v = tl.load(v_ptr + b * s_vb + kv * s_vh + cols[:, None] * s_vn + dims[None, :], mask=ok[:, None], other=0.0)
-        if UPCAST_DOT:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        l = l * alpha + tl.sum(p, 1)
-        m = m_new
-    has = l > 0
-    out = acc / tl.where(has, l, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+        m, l, acc = online_softmax_tile(q, k, v, ok, scale_log2, m, l, acc, UPCAST_DOT)
+    out, lse = finish_softmax(m, l, acc)
     head = s * GROUP + rows
     part = (b * SEL_HEADS * GROUP + head) * total_splits + split_offset + split  # [B, Hq, splits]
     tl.store(part_out_ptr + part[:, None] * DIM + dims[None, :], out, mask=row_ok[:, None])
@@ -81,13 +70,13 @@ def gather_split_program(
 @triton.jit
 def _gather_attention_split(
     q_ptr, k_ptr, v_ptr, idx_ptr, part_out_ptr, part_lse_ptr,
-    scale, n_keys, budget, tiles_per_split, num_splits,
+    scale_log2, n_keys, budget, tiles_per_split, num_splits,
     s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ib, s_ih,
     SEL_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     DIM: tl.constexpr, BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     gather_split_program(q_ptr, k_ptr, v_ptr, idx_ptr, part_out_ptr, part_lse_ptr, tl.program_id(0), tl.program_id(1),
-                         scale, n_keys, budget, tiles_per_split, 0, num_splits,
+                         scale_log2, n_keys, budget, tiles_per_split, 0, num_splits,
                          s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ib, s_ih,
                          SEL_HEADS, KV_HEADS, GROUP, GROUP_PAD, DIM, BLOCK, UPCAST_DOT)
 
@@ -145,7 +134,7 @@ class GatherLaunch:
     programs: int  # B x H_sel
     num_splits: int
     tensors: tuple  # query, keys, values, indices
-    scalars: tuple  # scale, n_keys, budget, tiles_per_split
+    scalars: tuple  # scale x log2(e), n_keys, budget, tiles_per_split
     strides: tuple
     constexprs: dict
 
@@ -176,7 +165,7 @@ def plan_gather(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, i
     tiles_per_split = triton.cdiv(tiles, min(tiles, wanted_splits))
     return GatherLaunch(
         programs=batch * sel_heads, num_splits=triton.cdiv(tiles, tiles_per_split),
-        tensors=(query, keys, values, indices), scalars=(scale, n_keys, budget, tiles_per_split),
+        tensors=(query, keys, values, indices), scalars=(scale * math.log2(math.e), n_keys, budget, tiles_per_split),
         strides=(query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
                  values.stride(0), values.stride(1), values.stride(2), indices.stride(0), indices.stride(1)),
         constexprs=dict(SEL_HEADS=sel_heads, KV_HEADS=kv_heads, GROUP=group,

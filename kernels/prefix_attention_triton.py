@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .gather_attention_triton import launch_options, num_sms, upcast_dot
+from .online_softmax_triton import finish_softmax, online_softmax_tile
 
 
 @triton.jit
@@ -61,23 +62,9 @@ def prefix_split_program(
         if HAS_VALID:
             key_ok = key_ok & (tl.load(valid_ptr + group * s_valid + keys, mask=key_ok, other=0) != 0)
         k = tl.load(k_base + keys[:, None] * s_kn + dims[None, :], mask=key_ok[:, None], other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale_log2
-        scores = tl.where(key_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
         v = tl.load(v_base + keys[:, None] * s_vn + dims[None, :], mask=key_ok[:, None], other=0.0)
-        if UPCAST_DOT:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        l = l * alpha + tl.sum(p, 1)
-        m = m_new
-    has = l > 0
-    out = acc / tl.where(has, l, 1.0)[:, None]
-    lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))  # natural log
+        m, l, acc = online_softmax_tile(q, k, v, key_ok, scale_log2, m, l, acc, UPCAST_DOT)
+    out, lse = finish_softmax(m, l, acc)
     part = (row * Q_HEADS + head) * total_splits + split_offset + split  # [B, Hq, splits]
     tl.store(part_out_ptr + part[:, None] * DIM + dims[None, :], out, mask=row_ok[:, None])
     tl.store(part_lse_ptr + part, lse, mask=row_ok)

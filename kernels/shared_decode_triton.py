@@ -26,7 +26,7 @@ from .prefix_attention_triton import new_parts, plan_prefix, prefix_split_progra
 def _shared_decode_split(
     pq_ptr, pk_ptr, pv_ptr, members_ptr, valid_ptr, gq_ptr, gk_ptr, gv_ptr, idx_ptr, part_out_ptr, part_lse_ptr,
     scale_log2, width, length, prefix_tiles_per_split,
-    scale, n_keys, budget, own_tiles_per_split,
+    own_scale_log2, n_keys, budget, own_tiles_per_split,
     prefix_programs, prefix_splits, own_splits, group_heads,
     ps_qb, ps_qh, ps_kg, ps_kh, ps_kn, ps_vg, ps_vh, ps_vn, ps_mg, ps_valid,
     gs_qb, gs_qh, gs_kb, gs_kh, gs_kn, gs_vb, gs_vh, gs_vn, gs_ib, gs_ih,
@@ -51,7 +51,7 @@ def _shared_decode_split(
         own = pid - prefix_programs
         gather_split_program(gq_ptr, gk_ptr, gv_ptr, idx_ptr, part_out_ptr, part_lse_ptr,
                              own // own_splits, own % own_splits,
-                             scale, n_keys, budget, own_tiles_per_split, prefix_splits, total_splits,
+                             own_scale_log2, n_keys, budget, own_tiles_per_split, prefix_splits, total_splits,
                              gs_qb, gs_qh, gs_kb, gs_kh, gs_kn, gs_vb, gs_vh, gs_vn, gs_ib, gs_ih,
                              G_SEL_HEADS, G_KV_HEADS, G_GROUP, G_GROUP_PAD, G_DIM, G_BLOCK, G_UPCAST_DOT)
 
