@@ -6,11 +6,18 @@ shared decode kernel, its merge, the whole dispatch, and dense SDPA, at B64 P2k 
 bf16, own part 256), then a cProfile of the whole dispatch. Run: ``python3 benchmarks/launch_overhead.py``.
 """
 
-import time, math, torch, triton, triton.language as tl
-from hshare.kernels.prefix_attention_triton import plan_prefix, new_parts, shared_prefix_decode_states_triton
-from hshare.kernels.gather_attention_triton import plan_gather, merge_parts, gather_attention_triton
-from hshare.kernels.shared_decode_triton import shared_decode_attention_triton, _shared_decode_split
-from hshare.kernels import shared_decode_attention, PrefixKV
+import cProfile
+import pstats
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from hshare.kernels import PrefixKV, shared_decode_attention
+from hshare.kernels.gather_attention_triton import gather_attention_triton, merge_parts, plan_gather
+from hshare.kernels.prefix_attention_triton import new_parts, plan_prefix, shared_prefix_decode_states_triton
+from hshare.kernels.shared_decode_triton import launch_shared_decode
 
 @triton.jit
 def _tiny(x_ptr, n, BLOCK: tl.constexpr):
@@ -39,13 +46,7 @@ rows["plan_prefix"] = cpu_us(lambda: plan_prefix(q, pk, pv, s))
 rows["plan_gather"] = cpu_us(lambda: plan_gather(q, ok, ov, cols, s))
 pre = plan_prefix(q, pk, pv, s); own_l = plan_gather(q, ok, ov, cols, s)
 po, pl = new_parts(q, pre.num_splits + own_l.num_splits, False)
-pp = math.prod(pre.grid)
-def launch():
-    _shared_decode_split[(pp + own_l.programs * own_l.num_splits,)](
-        *pre.tensors[:5], *own_l.tensors, po, pl, *pre.scalars, *own_l.scalars,
-        pp, pre.num_splits, own_l.num_splits, pre.grid[1], *pre.strides, *own_l.strides,
-        **{f"P_{k}": v for k, v in pre.constexprs.items()}, **{f"G_{k}": v for k, v in own_l.constexprs.items()}, num_stages=3)
-rows["fused launch only"] = cpu_us(launch)
+rows["fused launch only"] = cpu_us(lambda: launch_shared_decode(pre, own_l, po, pl))
 rows["merge_parts"] = cpu_us(lambda: merge_parts(q, po, pl, None))
 rows["shared_decode_attention (dispatch)"] = cpu_us(lambda: shared_decode_attention(q, PrefixKV(pk, pv), ok, ov, cols, s))
 rows["gather_attention_triton"] = cpu_us(lambda: gather_attention_triton(q, ok, ov, cols, s))
@@ -53,7 +54,6 @@ rows["prefix states"] = cpu_us(lambda: shared_prefix_decode_states_triton(q, pk,
 fk = torch.cat((pk.expand(B, -1, -1, -1), ok), 2); fv = torch.cat((pv.expand(B, -1, -1, -1), ov), 2)
 rows["sdpa dense"] = cpu_us(lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], fk, fv, enable_gqa=True))
 for k, v in rows.items(): print(f"{k:40s} {v:8.1f} us CPU per call")
-import cProfile, pstats
 pr = cProfile.Profile(); pr.enable()
 for _ in range(200): shared_decode_attention(q, PrefixKV(pk, pv), ok, ov, cols, s)
 pr.disable(); torch.cuda.synchronize()

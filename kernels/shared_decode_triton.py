@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gather_attention_triton import gather_split_program, launch_options, merge_parts, plan_gather
-from .prefix_attention_triton import new_parts, plan_prefix, prefix_split_program
+from .gather_attention_triton import GatherLaunch, gather_split_program, launch_options, merge_parts, plan_gather
+from .prefix_attention_triton import PrefixLaunch, new_parts, plan_prefix, prefix_split_program
 
 
 @triton.jit
@@ -66,12 +66,19 @@ def shared_decode_attention_triton(query: torch.Tensor, prefix_keys: torch.Tenso
     prefix = plan_prefix(query, prefix_keys, prefix_values, scale, members, key_valid)
     own = plan_gather(query, keys, values, indices, scale)
     part_out, part_lse = new_parts(query, prefix.num_splits + own.num_splits, prefix.rows_outside)
+    launch_shared_decode(prefix, own, part_out, part_lse, num_warps, num_stages)
+    return merge_parts(query, part_out, part_lse, partial)
+
+
+def launch_shared_decode(prefix: PrefixLaunch, own: GatherLaunch, part_out: torch.Tensor, part_lse: torch.Tensor,
+                         num_warps: int | None = None, num_stages: int | None = None) -> None:
+    """Launch the one grid: the prefix level's programs first, then the own part's; both write their
+    split states into ``part_out [B, Hq, S_prefix + S_own, d]`` / ``part_lse`` (unmerged)."""
     prefix_programs = math.prod(prefix.grid)
     _shared_decode_split[(prefix_programs + own.programs * own.num_splits,)](
-        *prefix.tensors[:5], *own.tensors, part_out, part_lse, *prefix.scalars, *own.scalars,
+        *prefix.tensors, *own.tensors, part_out, part_lse, *prefix.scalars, *own.scalars,
         prefix_programs, prefix.num_splits, own.num_splits, prefix.grid[1], *prefix.strides, *own.strides,
         **{f"P_{name}": value for name, value in prefix.constexprs.items()},
         **{f"G_{name}": value for name, value in own.constexprs.items()},
-        **launch_options(num_warps, num_stages or (prefix.num_stages if query.is_cuda else None)),
+        **launch_options(num_warps, num_stages or (prefix.num_stages if part_out.is_cuda else None)),
     )
-    return merge_parts(query, part_out, part_lse, partial)
