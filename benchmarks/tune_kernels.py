@@ -8,9 +8,13 @@
    BLOCK_N, warps and stages.
 3. The whole shared step: prefix states + own part in two launches, in one launch
    (`shared_decode_attention_triton`, a few warps/stages), and dense SDPA.
+4. The one-launch kernel: prefix tiles and splits, the own part's tile and split count, warps and
+   stages.
+5. The split merge (`merge_parts`) alone at the split counts of those shapes: rows per program,
+   warps.
 
 Writes ``$OUT/tune_kernels.json`` and prints short tables. Arguments pick sections
-(``prefix gather step``; default all).
+(``prefix gather step fused merge``; default all).
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import sys
 import torch
 
 from hshare.bench import _dense_graph_us, dense_sdpa_us, graph_time_us
-from hshare.kernels.gather_attention_triton import gather_attention_triton
-from hshare.kernels.prefix_attention_triton import shared_prefix_decode_states_triton
+from hshare.kernels.gather_attention_triton import gather_attention_triton, merge_parts
+from hshare.kernels.prefix_attention_triton import plan_prefix, shared_prefix_decode_states_triton
 from hshare.kernels.shared_decode_triton import shared_decode_attention_triton
 
 SHAPES = [(2, 2048), (2, 8192), (64, 2048), (64, 8192), (256, 2048), (256, 8192)]
@@ -40,12 +44,66 @@ def best(results: dict) -> tuple:
     return min(timed, key=timed.get)
 
 
+def step_inputs(batch: int, prefix: int) -> tuple:
+    """query [B, Hq, d], prefix keys/values [1, Hkv, P, d], own keys/values [B, Hkv, OWN, d], columns."""
+    q = torch.randn(batch, Q_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(1, KV_HEADS, prefix, DIM, device="cuda", dtype=torch.bfloat16)
+    own_k = torch.randn(batch, KV_HEADS, OWN, DIM, device="cuda", dtype=torch.bfloat16)
+    cols = torch.arange(OWN, device="cuda").expand(batch, KV_HEADS, OWN).contiguous()
+    return q, keys, torch.randn_like(keys), own_k, torch.randn_like(own_k), cols
+
+
+def step_inputs(batch: int, prefix: int) -> tuple:
+    """query [B, Hq, d], prefix keys/values [1, Hkv, P, d], own keys/values [B, Hkv, OWN, d], columns."""
+    q = torch.randn(batch, Q_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(1, KV_HEADS, prefix, DIM, device="cuda", dtype=torch.bfloat16)
+    own_k = torch.randn(batch, KV_HEADS, OWN, DIM, device="cuda", dtype=torch.bfloat16)
+    cols = torch.arange(OWN, device="cuda").expand(batch, KV_HEADS, OWN).contiguous()
+    return q, keys, torch.randn_like(keys), own_k, torch.randn_like(own_k), cols
+
+
+SIDE = None
+
+
+def two_streams(q, keys, values, own_k, own_v, cols, scale, first, **own_launch):
+    """Prefix states on the current stream, the own part's gather states on a side stream (fork and
+    join by events, captured into the graph as parallel branches), then one merge."""
+    global SIDE
+    SIDE = SIDE or torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+    SIDE.wait_stream(main)
+    if first == "prefix":
+        prefix_states = shared_prefix_decode_states_triton(q, keys, values, scale)
+    with torch.cuda.stream(SIDE):
+        own_states = gather_attention_states_triton(q, own_k, own_v, cols, scale, **own_launch)
+    if first != "prefix":
+        prefix_states = shared_prefix_decode_states_triton(q, keys, values, scale)
+    main.wait_stream(SIDE)
+    return merge_parts(q, *own_states, prefix_states)
+
+
+def kernel_resources() -> dict:
+    """Registers per thread, spills and shared memory of every compiled variant of the decode kernels."""
+    found = {}
+    for kernel in (_prefix_attention_split, _gather_attention_split, _shared_decode_split):
+        for device_cache in getattr(kernel, "device_caches", {}).values():
+            for key, compiled in device_cache[0].items():
+                try:
+                    found[f"{kernel.__name__} {len(found)}"] = {
+                        "n_regs": compiled.n_regs, "n_spills": compiled.n_spills,
+                        "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
+                        "num_stages": compiled.metadata.num_stages, "key": str(key)[-300:]}
+                except AttributeError as error:  # another Triton's layout
+                    found[f"{kernel.__name__} {len(found)}"] = repr(error)
+    return found
+
+
 def main() -> None:
     out_dir = os.environ.get("OUT", ".")
     torch.manual_seed(0)
     scale = DIM ** -0.5
-    report = {"device": torch.cuda.get_device_name(), "prefix": [], "gather": [], "step": []}
-    sections = sys.argv[1:] or ["prefix", "gather", "step"]
+    report = {"device": torch.cuda.get_device_name(), "prefix": [], "gather": [], "step": [], "fused": [], "merge": []}
+    sections = sys.argv[1:] or ["prefix", "gather", "step", "fused", "merge"]
 
     print("prefix kernel (graph us): B P | auto | best tiles (bm, bn, warps, stages) | best splits")
     for batch, prefix in SHAPES if "prefix" in sections else ():
@@ -98,12 +156,7 @@ def main() -> None:
 
     print("whole shared step (graph us): B P | dense | two launches | one launch (warps, stages) | ratio")
     for batch, prefix in SHAPES if "step" in sections else ():
-        q = torch.randn(batch, Q_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
-        keys = torch.randn(1, KV_HEADS, prefix, DIM, device="cuda", dtype=torch.bfloat16)
-        values = torch.randn_like(keys)
-        own_k = torch.randn(batch, KV_HEADS, OWN, DIM, device="cuda", dtype=torch.bfloat16)
-        own_v = torch.randn_like(own_k)
-        cols = torch.arange(OWN, device="cuda").expand(batch, KV_HEADS, OWN).contiguous()
+        q, keys, values, own_k, own_v, cols = step_inputs(batch, prefix)
         separate = graph_us(lambda: gather_attention_triton(
             q, own_k, own_v, cols, scale, partial=shared_prefix_decode_states_triton(q, keys, values, scale)))
         fused = {}
@@ -122,6 +175,44 @@ def main() -> None:
                                               "dense_backend": fastest, "two_launches_graph_us": separate,
                                               "one_launch_graph_us": {str(k): v for k, v in fused.items()}})
         del full_k, full_v
+
+    print("one-launch grid (graph us): B P | default | best (prefix block_m, block_n, splits x, own block_n, "
+          "own splits, warps, stages)")
+    for batch, prefix in SHAPES if "fused" in sections else ():
+        q, keys, values, own_k, own_v, cols = step_inputs(batch, prefix)
+        folded = batch * Q_HEADS // KV_HEADS
+        configs = {}
+        for config in itertools.product((16, 32) if folded <= 16 else (64, 128), (32, 64), (0.5, 1, 2), (32, 64),
+                                        (None, 2), (4,), (2, 3)):
+            block_m, block_n, more_splits, own_block, own_splits, warps, stages = config
+            auto_splits = plan_prefix(q, keys, values, scale, block_m=block_m, block_n=block_n).num_splits
+            configs[config] = graph_us(lambda: shared_decode_attention_triton(
+                q, keys, values, None, None, own_k, own_v, cols, scale, prefix_block_m=block_m,
+                prefix_block_n=block_n, prefix_splits=max(1, int(auto_splits * more_splits)), own_block_n=own_block,
+                own_splits=own_splits, num_warps=warps, num_stages=stages))
+        default = graph_us(lambda: shared_decode_attention_triton(q, keys, values, None, None, own_k, own_v,
+                                                                  cols, scale))
+        chosen = best(configs)
+        print(f"{batch:4d} {prefix:5d} | {default:7.1f} | {configs[chosen]:7.1f} {chosen}")
+        report["fused"].append({"batch": batch, "prefix": prefix, "default_us": default,
+                                "configs": {str(k): v for k, v in configs.items()}, "best": str(chosen)})
+
+    print("split merge (graph us): B splits | default | best (rows, warps) | GB/s at best")
+    for batch, splits in ((2, 36), (64, 9), (256, 4), (256, 12)) if "merge" in sections else ():
+        q = torch.randn(batch, Q_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        part_out = torch.randn(batch, Q_HEADS, splits, DIM, device="cuda")
+        part_lse = torch.randn(batch, Q_HEADS, splits, device="cuda")
+        configs = {}
+        for rows, warps in itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8)):
+            configs[(rows, warps)] = graph_us(lambda: merge_parts(q, part_out, part_lse, None, rows=rows,
+                                                                  num_warps=warps))
+        default = graph_us(lambda: merge_parts(q, part_out, part_lse, None))
+        chosen = best(configs)
+        moved = part_out.numel() * 4 + part_lse.numel() * 4 + q.numel() * 2
+        print(f"{batch:4d} {splits:3d} | {default:6.1f} | {configs[chosen]:6.1f} {chosen} | "
+              f"{moved / configs[chosen] / 1e3:6.0f}")
+        report["merge"].append({"batch": batch, "splits": splits, "default_us": default,
+                                "configs": {str(k): v for k, v in configs.items()}, "best": str(chosen)})
 
     with open(os.path.join(out_dir, "tune_kernels.json"), "w") as handle:
         json.dump(report, handle, indent=1)

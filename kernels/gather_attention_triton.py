@@ -82,38 +82,45 @@ def _gather_attention_split(
 
 
 @triton.jit
-def _merge_splits(
-    part_out_ptr, part_lse_ptr, prior_out_ptr, prior_lse_ptr, out_ptr, lse_ptr, num_splits, prior_splits,
-    HAS_PRIOR: tl.constexpr, SPLITS_PAD: tl.constexpr, PRIOR_PAD: tl.constexpr, DIM: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)  # b * Hq + h
-    dims = tl.arange(0, DIM)
+def _load_states(out_ptr, lse_ptr, rows, row_ok, num_splits, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr):
+    """States ``(out [R, S, d], lse [R, S])`` fp32 of units ``rows [R]`` from ``[B*Hq, S, d]``
+    buffers; padding splits and rows get lse = -inf."""
     splits = tl.arange(0, SPLITS_PAD)
-    ok = splits < num_splits
-    lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=ok, other=float("-inf"))
-    outs = tl.load(part_out_ptr + (row * num_splits + splits)[:, None] * DIM + dims[None, :], mask=ok[:, None],
-                   other=0.0)
-    top = tl.max(lse, 0)
+    dims = tl.arange(0, DIM)
+    ok = row_ok[:, None] & (splits < num_splits)[None, :]
+    part = rows[:, None] * num_splits + splits[None, :]
+    lse = tl.load(lse_ptr + part, mask=ok, other=float("-inf")).to(tl.float32)
+    out = tl.load(out_ptr + part[:, :, None] * DIM + dims[None, None, :], mask=ok[:, :, None], other=0.0)
+    return out.to(tl.float32), lse
+
+
+@triton.jit
+def _merge_splits(
+    part_out_ptr, part_lse_ptr, prior_out_ptr, prior_lse_ptr, out_ptr, lse_ptr, units, num_splits, prior_splits,
+    HAS_PRIOR: tl.constexpr, SPLITS_PAD: tl.constexpr, PRIOR_PAD: tl.constexpr, DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # units b * Hq + h
+    row_ok = rows < units
+    outs, lse = _load_states(part_out_ptr, part_lse_ptr, rows, row_ok, num_splits, SPLITS_PAD, DIM)
+    top = tl.max(lse, 1)
     if HAS_PRIOR:  # partial states over other keys (a shared prefix's splits, its levels)
-        priors = tl.arange(0, PRIOR_PAD)
-        prior_ok = priors < prior_splits
-        prior_lse = tl.load(prior_lse_ptr + row * prior_splits + priors, mask=prior_ok,
-                            other=float("-inf")).to(tl.float32)
-        prior_outs = tl.load(prior_out_ptr + (row * prior_splits + priors)[:, None] * DIM + dims[None, :],
-                             mask=prior_ok[:, None], other=0.0).to(tl.float32)
-        top = tl.maximum(top, tl.max(prior_lse, 0))
+        prior_outs, prior_lse = _load_states(prior_out_ptr, prior_lse_ptr, rows, row_ok, prior_splits, PRIOR_PAD,
+                                             DIM)
+        top = tl.maximum(top, tl.max(prior_lse, 1))
     top_safe = tl.where(top == float("-inf"), 0.0, top)
-    weights = tl.exp(lse - top_safe)
-    total = tl.sum(weights, 0)
-    merged = tl.sum(tl.where(weights[:, None] > 0, outs * weights[:, None], 0.0), 0)
+    weights = tl.exp(lse - top_safe[:, None])  # an empty part (lse = -inf) weighs 0, whatever its out
+    total = tl.sum(weights, 1)
+    merged = tl.sum(tl.where(weights[:, :, None] > 0, outs * weights[:, :, None], 0.0), 1)
     if HAS_PRIOR:
-        prior_weights = tl.exp(prior_lse - top_safe)  # an empty part (lse = -inf) weighs 0, whatever its out
-        merged += tl.sum(tl.where(prior_weights[:, None] > 0, prior_outs * prior_weights[:, None], 0.0), 0)
-        total += tl.sum(prior_weights, 0)
+        prior_weights = tl.exp(prior_lse - top_safe[:, None])
+        merged += tl.sum(tl.where(prior_weights[:, :, None] > 0, prior_outs * prior_weights[:, :, None], 0.0), 1)
+        total += tl.sum(prior_weights, 1)
     has = total > 0
-    merged = merged / tl.where(has, total, 1.0)
-    tl.store(out_ptr + row * DIM + dims, merged.to(out_ptr.dtype.element_ty))
-    tl.store(lse_ptr + row, tl.where(has, top_safe + tl.log(tl.where(has, total, 1.0)), float("-inf")))
+    merged = merged / tl.where(has, total, 1.0)[:, None]
+    dims = tl.arange(0, DIM)
+    tl.store(out_ptr + rows[:, None] * DIM + dims[None, :], merged.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptr + rows, tl.where(has, top_safe + tl.log(tl.where(has, total, 1.0)), float("-inf")), mask=row_ok)
 
 
 def num_sms(device: torch.device) -> int:
@@ -174,20 +181,29 @@ def plan_gather(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, i
     )
 
 
+MERGE_ELEMENTS = 4096  # fp32 states a merge program holds: rows x padded splits x d (benchmarks/tune_kernels.py)
+
+
 def merge_parts(query: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
-                partial: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                partial: tuple[torch.Tensor, torch.Tensor] | None, *, rows: int | None = None,
+                num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``part_out [B, Hq, S, d]``, ``part_lse [B, Hq, S]`` (fp32) and the incoming partial
-    states by LSE: ``(out [B, Hq, d] in query's dtype, lse [B, Hq] fp32)``."""
+    states by LSE: ``(out [B, Hq, d] in query's dtype, lse [B, Hq] fp32)``. A program merges
+    `rows` query rows (default: about `MERGE_ELEMENTS` states' elements)."""
     batch, q_heads, dim = query.shape
     out = torch.empty(batch, q_heads, dim, device=query.device, dtype=query.dtype)
     lse = torch.empty(batch, q_heads, device=query.device, dtype=torch.float32)
     num_splits = part_lse.shape[-1]
     prior_out, prior_lse = (partial[0].contiguous(), partial[1].contiguous()) if partial else (part_out, part_lse)
     prior_splits = prior_lse.shape[-1] if partial else 1
-    _merge_splits[(batch * q_heads,)](
-        part_out, part_lse, prior_out, prior_lse, out, lse, num_splits, prior_splits,
-        HAS_PRIOR=partial is not None, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        PRIOR_PAD=max(2, triton.next_power_of_2(prior_splits)), DIM=dim,
+    splits_pad, prior_pad = max(2, triton.next_power_of_2(num_splits)), max(2, triton.next_power_of_2(prior_splits))
+    held = (splits_pad + (prior_pad if partial else 0)) * dim
+    rows = rows or 1 << max(0, (MERGE_ELEMENTS // held).bit_length() - 1)  # a power of two
+    units = batch * q_heads
+    _merge_splits[(triton.cdiv(units, rows),)](
+        part_out, part_lse, prior_out, prior_lse, out, lse, units, num_splits, prior_splits,
+        HAS_PRIOR=partial is not None, SPLITS_PAD=splits_pad, PRIOR_PAD=prior_pad, DIM=dim, ROWS=rows,
+        **launch_options(num_warps, None),
     )
     return out, lse
 

@@ -105,10 +105,12 @@ class PrefixLaunch:
 
 def plan_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                 members: torch.Tensor | None = None, key_valid: torch.Tensor | None = None,
-                block_m: int | None = None, block_n: int | None = None, splits: int | None = None) -> PrefixLaunch:
+                block_m: int | None = None, block_n: int | None = None, splits: int | None = None,
+                waves: int = 2) -> PrefixLaunch:
     """Check the inputs and choose tiles and the key split (defaults from `benchmarks/tune_kernels.py`
-    on the H100: 16-row query tiles for <= 16 folded rows, else 64 x 32-key tiles, 3 stages; the
-    split count fills about two waves of the SMs, FlashDecoding)."""
+    on the H100: 16-row query tiles for <= 16 folded rows, else 64-row tiles of 32 keys, or 64 keys
+    for prefixes of 4096 tokens and more, 3 stages; the split count fills `waves` waves of the SMs,
+    FlashDecoding: two alone, one beside an own part that fills the GPU by itself)."""
     batch, q_heads, dim = query.shape
     groups, kv_heads, length = keys.shape[:3]
     if q_heads % kv_heads:
@@ -122,10 +124,10 @@ def plan_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     width = batch if members is None else members.shape[1]
     folded = width * per_kv
     block_m = block_m or (16 if folded <= 16 else 64)
-    block_n = block_n or (64 if block_m < 64 else 32)
+    block_n = block_n or (64 if block_m < 64 or length >= 4096 else 32)
     tiles = max(1, triton.cdiv(length, block_n))
     m_tiles = triton.cdiv(folded, block_m)
-    wanted = splits or max(1, triton.cdiv(2 * num_sms(query.device), m_tiles * groups * kv_heads))
+    wanted = splits or max(1, waves * num_sms(query.device) // (m_tiles * groups * kv_heads))
     tiles_per_split = triton.cdiv(tiles, min(tiles, wanted))
     return PrefixLaunch(
         grid=(m_tiles, groups * kv_heads, triton.cdiv(tiles, tiles_per_split)),
