@@ -107,8 +107,9 @@ class HShareConfig:
         prefix_min_batch: fewest rows that must share a level for "auto" to store it once.
         prefix_min_saved_tokens: fewest KV token reads per layer and step, (rows - 1) x shared
             tokens, a level must save for "auto". Measured on the H100 (RESULTS.md, GQA 32/8):
-            eager decode breaks even between 130k (0.4x) and 520k (1.6x) saved tokens, a CUDA
-            graph near 8k. The memory saving holds at any size: ``prefix="on"`` takes it.
+            eager decode is host-bound below about 130k saved tokens (8k: 0.15x of dense; 129k:
+            0.4x-2.1x across runs; 520k: 1.6x-2.6x), a CUDA graph is faster from 4k (1.3x). The
+            memory saving holds at any size: ``prefix="on"`` takes it.
         prefix_levels: 1 (one prefix for all rows) or 2 (plus groups of rows sharing more, e.g. the
             samples of each question after a common few-shot prefix).
     """

@@ -57,6 +57,35 @@ def test_gather_attention_triton_merges_incoming_partial_states():
     torch.testing.assert_close(lse, ref_lse, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("rows,num_warps", [(None, None), (1, 1), (2, 2), (8, 4)])
+@pytest.mark.parametrize("with_prior", [False, True])
+def test_merge_parts_matches_twin(rows, num_warps, with_prior):
+    """The split merge, several query rows per program (the last program partly empty: 15 rows),
+    against the twin over all states: random states, a NaN-poisoned empty split, a row whose every
+    state is empty, incoming prior states."""
+    from hshare.kernels import merge_attention_splits
+    from hshare.kernels.gather_attention_triton import merge_parts
+
+    batch, q_heads, dim, splits, prior_splits = 5, 3, 16, 5, 3
+    q = torch.randn(batch, q_heads, dim, device=DEVICE)
+    part_out = torch.randn(batch, q_heads, splits, dim, device=DEVICE)
+    part_lse = torch.randn(batch, q_heads, splits, device=DEVICE) * 3
+    part_lse[1, 2, 3] = float("-inf")
+    part_out[1, 2, 3] = float("nan")  # an empty split: its out is never read
+    part_lse[4, 0] = float("-inf")  # every split of a row empty
+    prior = (torch.randn(batch, q_heads, prior_splits, dim, device=DEVICE),
+             torch.randn(batch, q_heads, prior_splits, device=DEVICE)) if with_prior else None
+    if with_prior:
+        prior[1][4, 0] = float("-inf")
+    out, lse = merge_parts(q, part_out, part_lse, prior, rows=rows, num_warps=num_warps)
+    states = (part_out, part_lse) if prior is None else (torch.cat((part_out, prior[0]), 2),
+                                                         torch.cat((part_lse, prior[1]), 2))
+    want_out, want_lse = merge_attention_splits(states[0].double(), states[1].double())
+    assert not out.isnan().any() and bool((out[4, 0] == 0).all()) and bool(torch.isneginf(lse[4, 0]))
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bits", [4, 8, 16])
 @pytest.mark.parametrize("n", [1, 129, 300])
 def test_score_heads_triton_matches_reference(bits, n):
