@@ -53,51 +53,6 @@ def step_inputs(batch: int, prefix: int) -> tuple:
     return q, keys, torch.randn_like(keys), own_k, torch.randn_like(own_k), cols
 
 
-def step_inputs(batch: int, prefix: int) -> tuple:
-    """query [B, Hq, d], prefix keys/values [1, Hkv, P, d], own keys/values [B, Hkv, OWN, d], columns."""
-    q = torch.randn(batch, Q_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
-    keys = torch.randn(1, KV_HEADS, prefix, DIM, device="cuda", dtype=torch.bfloat16)
-    own_k = torch.randn(batch, KV_HEADS, OWN, DIM, device="cuda", dtype=torch.bfloat16)
-    cols = torch.arange(OWN, device="cuda").expand(batch, KV_HEADS, OWN).contiguous()
-    return q, keys, torch.randn_like(keys), own_k, torch.randn_like(own_k), cols
-
-
-SIDE = None
-
-
-def two_streams(q, keys, values, own_k, own_v, cols, scale, first, **own_launch):
-    """Prefix states on the current stream, the own part's gather states on a side stream (fork and
-    join by events, captured into the graph as parallel branches), then one merge."""
-    global SIDE
-    SIDE = SIDE or torch.cuda.Stream()
-    main = torch.cuda.current_stream()
-    SIDE.wait_stream(main)
-    if first == "prefix":
-        prefix_states = shared_prefix_decode_states_triton(q, keys, values, scale)
-    with torch.cuda.stream(SIDE):
-        own_states = gather_attention_states_triton(q, own_k, own_v, cols, scale, **own_launch)
-    if first != "prefix":
-        prefix_states = shared_prefix_decode_states_triton(q, keys, values, scale)
-    main.wait_stream(SIDE)
-    return merge_parts(q, *own_states, prefix_states)
-
-
-def kernel_resources() -> dict:
-    """Registers per thread, spills and shared memory of every compiled variant of the decode kernels."""
-    found = {}
-    for kernel in (_prefix_attention_split, _gather_attention_split, _shared_decode_split):
-        for device_cache in getattr(kernel, "device_caches", {}).values():
-            for key, compiled in device_cache[0].items():
-                try:
-                    found[f"{kernel.__name__} {len(found)}"] = {
-                        "n_regs": compiled.n_regs, "n_spills": compiled.n_spills,
-                        "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
-                        "num_stages": compiled.metadata.num_stages, "key": str(key)[-300:]}
-                except AttributeError as error:  # another Triton's layout
-                    found[f"{kernel.__name__} {len(found)}"] = repr(error)
-    return found
-
-
 def main() -> None:
     out_dir = os.environ.get("OUT", ".")
     torch.manual_seed(0)

@@ -172,7 +172,7 @@ def test_generate_same_with_kernels_and_twins(monkeypatch, preset, prefix):
 def _reference_over_prefix(q, keys, values, scale, members, key_valid):
     """fp64 softmax of each row over its group's valid prefix keys: ``(out [B, Hq, d], lse [B, Hq])``."""
     batch, q_heads, dim = q.shape
-    kv_heads, per_kv = keys.shape[1], q_heads // keys.shape[1]
+    per_kv = q_heads // keys.shape[1]
     out = torch.zeros(batch, q_heads, dim, dtype=torch.float64)
     lse = torch.full((batch, q_heads), float("-inf"), dtype=torch.float64)
     groups = [list(range(batch))] if members is None else [[r for r in m.tolist() if r >= 0] for m in members]
