@@ -108,8 +108,9 @@ def plan_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
                 block_m: int | None = None, block_n: int | None = None, splits: int | None = None,
                 waves: int = 2) -> PrefixLaunch:
     """Check the inputs and choose tiles and the key split (defaults from `benchmarks/tune_kernels.py`
-    on the H100: 16-row query tiles for <= 16 folded rows, else 64-row tiles of 32 keys, or 64 keys
-    for prefixes of 4096 tokens and more, 3 stages; the split count fills `waves` waves of the SMs,
+    on the H100: 16-row query tiles for <= 16 folded rows (or fp32 with d = 256: larger ones do not
+    fit shared memory), else 64-row tiles of 32 keys, or 64 keys for prefixes of 4096 tokens and more
+    in 16-bit with d <= 128, 3 stages; the split count fills `waves` waves of the SMs,
     FlashDecoding: two alone, one beside an own part that fills the GPU by itself)."""
     batch, q_heads, dim = query.shape
     groups, kv_heads, length = keys.shape[:3]
@@ -123,8 +124,10 @@ def plan_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     per_kv = q_heads // kv_heads
     width = batch if members is None else members.shape[1]
     folded = width * per_kv
-    block_m = block_m or (16 if folded <= 16 else 64)
-    block_n = block_n or (64 if block_m < 64 or length >= 4096 else 32)
+    row_bytes = dim * query.element_size()
+    block_m = block_m or (16 if folded <= 16 or row_bytes > 512 else 64)  # fp32 x d256: 64-row tiles do not fit
+    long_tiles = length >= 4096 and row_bytes <= 256  # 64-key tiles fit 3 stages: 16-bit, d <= 128
+    block_n = block_n or (64 if block_m < 64 or long_tiles else 32)
     tiles = max(1, triton.cdiv(length, block_n))
     m_tiles = triton.cdiv(folded, block_m)
     wanted = splits or max(1, waves * num_sms(query.device) // (m_tiles * groups * kv_heads))

@@ -57,6 +57,48 @@ def test_gather_attention_triton_merges_incoming_partial_states():
     torch.testing.assert_close(lse, ref_lse, rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="default launch plans at real sizes: too slow for the CPU interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("batch,length", [(2, 1500), (40, 4100)])
+def test_shared_decode_default_plans_fit_every_dtype_and_head_dim(dtype, dim, batch, length):
+    """The default tiles, stages and splits compile and fit the GPU's shared memory for every
+    supported dtype and head dim (16-row and 64-row query tiles, short and >= 4096-token prefixes),
+    and agree with the twin; the level alone too (the kernel of second and further levels)."""
+    from hshare.kernels import PrefixKV, merge_attention_splits, shared_decode_attention_torch
+    from hshare.kernels.prefix_attention_triton import shared_prefix_decode_states_triton
+    from hshare.kernels.shared_decode_triton import shared_decode_attention_triton
+
+    q, own_k, own_v, idx = random_case(batch, 8, 2, 2, 300, 200, dim, dtype)
+    prefix = PrefixKV(torch.randn(1, 2, length, dim, device=DEVICE).to(dtype),
+                      torch.randn(1, 2, length, dim, device=DEVICE).to(dtype))
+    out, lse = shared_decode_attention_triton(q, prefix.keys, prefix.values, None, None, own_k, own_v, idx, 0.1)
+    double = PrefixKV(prefix.keys.double(), prefix.values.double())
+    ref_out, ref_lse = shared_decode_attention_torch(q.double(), double, own_k.double(), own_v.double(), idx, 0.1)
+    tol = 2e-2 if dtype != torch.float32 else 5e-3
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
+
+    level = merge_attention_splits(*shared_prefix_decode_states_triton(q, prefix.keys, prefix.values, 0.1))
+    want = shared_prefix_decode_states_twin(q, prefix.keys, prefix.values, 0.1)
+    torch.testing.assert_close(level[0].double(), want[0][:, :, 0], rtol=tol, atol=tol)
+    torch.testing.assert_close(level[1].double(), want[1][:, :, 0], rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="default launch plans at real sizes: too slow for the CPU interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (8, 8)])
+def test_gather_attention_default_plans_fit_every_dtype_and_head_dim(dtype, dim, q_heads, kv_heads):
+    """Gather-attention's default launch compiles and fits for every supported dtype and head dim."""
+    q, k, v, idx = random_case(3, q_heads, kv_heads, kv_heads, 3000, 700, dim, dtype)
+    out, lse = gather_attention_triton(q, k, v, idx, 0.1)
+    ref_out, ref_lse = gather_attention_torch(q.double(), k.double(), v.double(), idx, 0.1)
+    tol = 2e-2 if dtype != torch.float32 else 5e-3
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("rows,num_warps", [(None, None), (1, 1), (2, 2), (8, 4)])
 @pytest.mark.parametrize("with_prior", [False, True])
 def test_merge_parts_matches_twin(rows, num_warps, with_prior):
