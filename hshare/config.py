@@ -106,10 +106,11 @@ class HShareConfig:
         prefix_min_tokens: shortest prefix (level 1) or group extension (level 2) stored once.
         prefix_min_batch: fewest rows that must share a level for "auto" to store it once.
         prefix_min_saved_tokens: fewest KV token reads per layer and step, (rows - 1) x shared
-            tokens, a level must save for "auto". Measured on the H100 (RESULTS.md, GQA 32/8):
-            eager decode is host-bound below about 130k saved tokens (8k: 0.15x of dense; 129k:
-            0.4x-2.1x across runs; 520k: 1.6x-2.6x), a CUDA graph is faster from 4k (1.3x). The
-            memory saving holds at any size: ``prefix="on"`` takes it.
+            tokens, a level must save for "auto". Measured on the H100 (RESULTS.md runs 18-20,
+            GQA 32/8): the eager decode op is host-bound below about 130k saved tokens (8k: 0.15x
+            of dense) and faster above (129k: 2.1x; 520k: 2.6x); 64 samples of a 4k prompt (258k)
+            decode at 0.93x of unpatched end to end with a 22x faster prefill. A CUDA graph is
+            faster from 4k (1.3x). The memory saving holds at any size: ``prefix="on"`` takes it.
         prefix_levels: 1 (one prefix for all rows) or 2 (plus groups of rows sharing more, e.g. the
             samples of each question after a common few-shot prefix).
     """
@@ -134,7 +135,7 @@ class HShareConfig:
     prefix: str = "auto"
     prefix_min_tokens: int = 256
     prefix_min_batch: int = 2
-    prefix_min_saved_tokens: int = 262144
+    prefix_min_saved_tokens: int = 131072
     prefix_levels: int = 2
     name: str = field(default="custom", compare=False)
 
