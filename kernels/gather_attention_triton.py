@@ -119,8 +119,10 @@ def _merge_splits(
     has = total > 0
     merged = merged / tl.where(has, total, 1.0)[:, None]
     dims = tl.arange(0, DIM)
-    tl.store(out_ptr + rows[:, None] * DIM + dims[None, :], merged.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(lse_ptr + rows, tl.where(has, top_safe + tl.log(tl.where(has, total, 1.0)), float("-inf")), mask=row_ok)
+    tl.store(out_ptr + rows[:, None] * DIM + dims[None, :], merged.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(lse_ptr + rows, tl.where(has, top_safe + tl.log(tl.where(has, total, 1.0)), float("-inf")),
+             mask=row_ok)
 
 
 def num_sms(device: torch.device) -> int:
