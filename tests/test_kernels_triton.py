@@ -99,6 +99,7 @@ def test_gather_attention_default_plans_fit_every_dtype_and_head_dim(dtype, dim,
     torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN x 0 of the poisoned split
 @pytest.mark.parametrize("rows,num_warps", [(None, None), (1, 1), (2, 2), (8, 4)])
 @pytest.mark.parametrize("with_prior", [False, True])
 def test_merge_parts_matches_twin(rows, num_warps, with_prior):
