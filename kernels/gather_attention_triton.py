@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .online_softmax_triton import finish_softmax, online_softmax_tile
+from .online_softmax_triton import finish_softmax, online_softmax_tile, start_softmax
 
 BLOCK_N = 64  # gathered rows per tile
 
@@ -45,11 +45,7 @@ def gather_split_program(
     row_ok = rows < GROUP
     q = tl.load(q_ptr + b * s_qb + (s * GROUP + rows)[:, None] * s_qh + dims[None, :], mask=row_ok[:, None],
                 other=0.0)
-    if UPCAST_DOT:
-        q = q.to(tl.float32)
-    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-    l = tl.zeros((GROUP_PAD,), tl.float32)
-    acc = tl.zeros((GROUP_PAD, DIM), tl.float32)
+    q, m, l, acc = start_softmax(q, GROUP_PAD, DIM, UPCAST_DOT)
     start = split * tiles_per_split * BLOCK
     for tile in range(0, tiles_per_split):
         offs = start + tile * BLOCK + tl.arange(0, BLOCK)

@@ -1,12 +1,22 @@
 """The online-softmax step shared by the Triton attention programs (FlashAttention's running max
-and sum, base 2): one key tile folded into a query tile's running state, and the final
-normalisation with the natural-log LSE that the exact merges use.
+and sum, base 2): the empty state, one key tile folded into a query tile's running state, and the
+final normalisation with the natural-log LSE that the exact merges use.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def start_softmax(q, ROWS: tl.constexpr, DIM: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """``(q, m, l, acc)``: the query tile ``[ROWS, d]`` (fp32 under `UPCAST_DOT`) and the empty
+    running state of `online_softmax_tile`."""
+    if UPCAST_DOT:  # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.9)
+        q = q.to(tl.float32)
+    m = tl.full((ROWS,), float("-inf"), tl.float32)  # running max of the logits, base-2 units
+    return q, m, tl.zeros((ROWS,), tl.float32), tl.zeros((ROWS, DIM), tl.float32)
 
 
 @triton.jit

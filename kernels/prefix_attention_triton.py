@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .gather_attention_triton import launch_options, num_sms, upcast_dot
-from .online_softmax_triton import finish_softmax, online_softmax_tile
+from .online_softmax_triton import finish_softmax, online_softmax_tile, start_softmax
 
 
 @triton.jit
@@ -48,13 +48,9 @@ def prefix_split_program(
         row = member.to(tl.int64)
     dims = tl.arange(0, DIM)
     q = tl.load(q_ptr + row[:, None] * s_qb + head[:, None] * s_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
-    if UPCAST_DOT:
-        q = q.to(tl.float32)
+    q, m, l, acc = start_softmax(q, BLOCK_M, DIM, UPCAST_DOT)
     k_base = k_ptr + group * s_kg + kv * s_kh
     v_base = v_ptr + group * s_vg + kv * s_vh
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max of the logits, base-2 units
-    l = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, DIM), tl.float32)
     start = split * tiles_per_split * BLOCK_N
     for tile in range(0, tiles_per_split):
         keys = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -87,11 +87,14 @@ def test_gather_attention_rejects_bad_head_count():
                          torch.zeros(1, 3, 2, dtype=torch.long), 1.0)
 
 
+def dense_case(n: int) -> tuple:
+    """fp64 query [2, 4, 8], keys/values [2, 4, n, 8] and every column [2, 4, n]."""
+    return (torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(2, 4, n, 8, dtype=torch.float64),
+            torch.randn(2, 4, n, 8, dtype=torch.float64), torch.arange(n).expand(2, 4, n))
+
+
 def test_merge_equals_attention_over_concatenation():
-    q = torch.randn(2, 4, 8, dtype=torch.float64)
-    k = torch.randn(2, 4, 30, 8, dtype=torch.float64)
-    v = torch.randn(2, 4, 30, 8, dtype=torch.float64)
-    cols = torch.arange(30).expand(2, 4, 30)
+    q, k, v, cols = dense_case(30)
     whole = gather_attention(q, k, v, cols, 0.3)
     first = gather_attention(q, k, v, cols[..., :11].contiguous(), 0.3)
     second = gather_attention(q, k, v, cols[..., 11:].contiguous(), 0.3, partial=(first[0][:, :, None],
@@ -102,10 +105,7 @@ def test_merge_equals_attention_over_concatenation():
 
 def test_merge_of_splits_equals_attention_over_concatenation():
     """S partial states (one of them empty) merged at once, and as incoming splits of gather."""
-    q = torch.randn(2, 4, 8, dtype=torch.float64)
-    k = torch.randn(2, 4, 40, 8, dtype=torch.float64)
-    v = torch.randn(2, 4, 40, 8, dtype=torch.float64)
-    cols = torch.arange(40).expand(2, 4, 40)
+    q, k, v, cols = dense_case(40)
     whole = gather_attention(q, k, v, cols, 0.3)
     bounds = [(0, 7), (7, 7), (7, 23), (23, 31)]  # (7, 7): a split with no key
     parts = [gather_attention(q, k, v, torch.full((2, 4, 1), -1), 0.3) if a == b else
