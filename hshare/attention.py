@@ -178,7 +178,7 @@ def _select_heavy_columns(cache: HShareCache, layer_idx: int, query: torch.Tenso
     rows = share.select_rows
     if rows is None or len(rows):
         query_labels = layer.labels.query_labels(query)[:, :, 0]  # [B, H_sel, r]
-        middle = cache_state.windows.middle
+        middle = cache_state.windows.selectable
         source_heads, head_slot = share.source_heads, share.head_slot
         if rows is not None:
             query_labels, middle = query_labels.index_select(0, rows), middle.index_select(0, rows)

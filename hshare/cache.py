@@ -266,8 +266,6 @@ class HShareCache(Cache):
             self.stats.dense_fallback_steps += 1
             state.windows, state.selecting, state.last_selection = None, False, None
             return
-        state.windows = RowWindows.build(valid, config.sink, config.local, config.budget)
-        self.stats.sparse_steps += int(not state.windows.all_short)
         if state.plan is None:
             self._plan(batch=valid.shape[0], device=valid.device)
         # Query groups follow one schedule for the whole batch (steps 1, 1 + a, ...), also while
@@ -277,6 +275,9 @@ class HShareCache(Cache):
         if due:
             state.last_selection = state.step
             self.stats.selection_steps += int(config.heavy > 0)
+        lookahead = config.query_group - 1 if state.selecting and config.group_lookahead else 0
+        state.windows = RowWindows.build(valid, config.sink, config.local, config.budget, lookahead)
+        self.stats.sparse_steps += int(not state.windows.all_short)
 
     def _layer_kv_bytes(self, valid: torch.Tensor) -> int:
         """Bytes of one layer's own keys and values at this step (what dense attention reads)."""

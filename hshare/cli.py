@@ -1,4 +1,5 @@
-"""The ``hshare`` command: ``hshare demo``, ``calibrate``, ``presets``, ``bench attention|prefix|plot``."""
+"""The ``hshare`` command: ``demo``, ``eval``, ``sweep``, ``fidelity``, ``calibrate``, ``presets``,
+``bench attention|prefix|plot``."""
 
 from __future__ import annotations
 
@@ -58,6 +59,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["eval"]:  # lm-eval's own arguments: not parsed here
+        from hshare.eval.lm_eval_cli import main_eval
+
+        return main_eval(argv[1:])
     parser = argparse.ArgumentParser(prog="hshare", description="HShare sparse decoding for transformers")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -85,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", default="bench-results", help="directory for the JSON and PNG (default bench-results)")
     bench.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the bench runs)")
     bench.set_defaults(run=_bench)
+
+    commands.add_parser("eval", help="lm-eval with the 'hshare' model and local task data (hshare eval --help)",
+                        add_help=False)
+    from hshare.eval.sweep import add_sweep_parser
+
+    add_sweep_parser(commands)
 
     args = parser.parse_args(argv)
     return args.run(args)

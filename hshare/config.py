@@ -83,6 +83,11 @@ class HShareConfig:
         layer_sharing: a in a-b-c; round(a * n_layers) layers select, the rest copy an earlier one.
         head_sharing: b; round(b * n_heads) heads of each layer select, the rest copy.
         query_sharing: c = 1 / query group; selection is redone every 1/c decode steps.
+        group_lookahead: at a selection step of a query group of a > 1 steps, heavy tokens are
+            chosen from the middle window extended by the a - 1 tokens that will leave the local
+            window before the next selection. False = the paper's code: a reuse step's local
+            window has moved on, and the tokens that left it were never candidates, so nobody
+            attends them until the next selection. Same work either way.
         dense_layers: layers kept dense at decode (not sparse, not in the layer plan).
         selection: "kv_head" (one selection per KV head, read once by its g query heads) or
             "query_head" (one per query head, as the paper's code). Same for MHA.
@@ -124,6 +129,7 @@ class HShareConfig:
     layer_sharing: float = 1.0
     head_sharing: float = 1.0
     query_sharing: float = 1.0
+    group_lookahead: bool = True
     dense_layers: tuple[int, ...] = ()
     selection: str = "kv_head"
     plan_scope: str = "batch"
@@ -161,6 +167,8 @@ class HShareConfig:
                 f"HShareConfig.query_sharing = {self.query_sharing} is not 1/a for a whole number a; accepted: 1, 1/2, "
                 "1/3, ... (a query group of a steps shares one selection)"
             )
+        if not isinstance(self.group_lookahead, bool):
+            raise ConfigError(f"HShareConfig.group_lookahead = {self.group_lookahead!r} is invalid; accepted: true or false")
         if isinstance(self.dense_layers, (list, tuple)):
             self.dense_layers = tuple(_int("dense_layers[]", i, 0) for i in self.dense_layers)
         else:

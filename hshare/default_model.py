@@ -58,3 +58,39 @@ def load_default_model(dtype: torch.dtype = torch.float32):
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).eval()
     return model, tokenizer
+
+
+def load_model(pretrained: str | None = None, gguf_file: str | None = None, dtype: torch.dtype | str = "auto",
+               device: str | torch.device | None = None, **kwargs):
+    """(model, tokenizer) for the evaluation commands: `pretrained` (a local directory or a hub id,
+    optionally with a `gguf_file` inside it), or the embedded default model when it is None.
+
+    Args:
+        dtype: a torch dtype or its name ("float32", "bfloat16", ...); "auto" = float32 on CPU,
+            bfloat16 on CUDA.
+        device: where the model runs (default: CUDA when present, else CPU).
+        **kwargs: passed to ``from_pretrained`` (e.g. ``revision``, ``trust_remote_code``).
+
+    The tokenizer pads on the left (decoder-only batching) and has a pad token.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype; accepted: auto, float32, float16, bfloat16")
+        dtype = getattr(torch, dtype)
+    if pretrained is None:
+        if gguf_file is not None:
+            raise ValueError("gguf_file needs pretrained=<the directory or hub id holding it>")
+        model, tokenizer = load_default_model(dtype)
+    else:
+        extra = {"gguf_file": gguf_file} if gguf_file else {}
+        tokenizer = AutoTokenizer.from_pretrained(pretrained, **extra, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=dtype, **extra, **kwargs).eval()
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device), tokenizer

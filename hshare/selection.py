@@ -64,6 +64,9 @@ class RowWindows:
         local: ``[B, local]`` columns of the last valid tokens.
         dense: ``[B, budget]`` the first `budget` valid columns (all of a short row's tokens).
         middle: ``[B, n]`` bool, the window ``[sink, n_valid - local)`` in valid-token ranks.
+        selectable: ``[B, n]`` bool, where a selection step picks heavy tokens: the middle window
+            extended by ``lookahead`` ranks into the local window (the tokens that leave the local
+            window before the next selection), so a query group's reuse steps still attend them.
         all_short: every row is short (host bool: the step's one device sync, not one per layer).
     """
 
@@ -74,14 +77,20 @@ class RowWindows:
     local: torch.Tensor
     dense: torch.Tensor
     middle: torch.Tensor
+    selectable: torch.Tensor
     all_short: bool
 
     @classmethod
-    def build(cls, valid: torch.Tensor, sink: int, local: int, budget: int) -> "RowWindows":
+    def build(cls, valid: torch.Tensor, sink: int, local: int, budget: int, lookahead: int = 0) -> "RowWindows":
+        """Windows of every row; `lookahead` (a - 1 at a selection step of a query group of a steps,
+        with `HShareConfig.group_lookahead`) widens `selectable` into the local window."""
         n_valid = valid.sum(-1)
         device = valid.device
         rank = valid.long().cumsum(-1) - 1
         middle = valid & (rank >= sink) & (rank < (n_valid[:, None] - local))
+        selectable = middle
+        if lookahead > 0:
+            selectable = valid & (rank >= sink) & (rank < (n_valid[:, None] - local + min(lookahead, local - 1)))
         sink_ranks = torch.arange(sink, device=device).expand(valid.shape[0], sink)
         local_ranks = n_valid[:, None] - local + torch.arange(local, device=device)[None, :]
         # a row shorter than sink + local: its local window must not repeat sink columns
@@ -96,6 +105,7 @@ class RowWindows:
             local=nth_valid_columns(valid, local_ranks),
             dense=nth_valid_columns(valid, dense_ranks),
             middle=middle,
+            selectable=selectable,
             all_short=bool(short.all()),
         )
 
