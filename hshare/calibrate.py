@@ -7,13 +7,15 @@ overwrote the statistic at every block, so only the last block counted).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hshare.channels import ChannelCalibration, channel_statistic, model_signature
+from hshare.channels import (ChannelCalibration, bundled_calibration_dir, calibration_file_name, channel_statistic,
+                             model_signature, user_calibration_dir)
 from hshare.patches import adapter_for
 
 _RECORDER = "hshare_calibration"
@@ -62,3 +64,13 @@ def calibrate_to_file(model, tokenizer, text_path: str | Path, out_path: str | P
     calibration = calibrate(model, tokenizer, Path(text_path).read_text(encoding="utf-8"), **kwargs)
     calibration.save(out_path)
     return calibration
+
+
+def default_calibration_path(name: str) -> Path:
+    """Where ``hshare calibrate`` writes a model's calibration: the bundled ``configs/channels``
+    folder when it is writable (an editable install), else the user folder; `find_calibration`
+    looks in both."""
+    bundled = bundled_calibration_dir()
+    folder = bundled if os.access(bundled, os.W_OK) else user_calibration_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / calibration_file_name(name)

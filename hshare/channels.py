@@ -12,6 +12,8 @@ Without a file the choice is *dynamic*: the same statistic over each row's own p
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -76,15 +78,37 @@ def bundled_calibration_dir() -> Path:
     return Path(str(resources.files("hshare.configs"))) / "channels"
 
 
+def user_calibration_dir() -> Path:
+    """Calibrations written by ``hshare calibrate`` when the bundled folder is not writable:
+    ``$HSHARE_CACHE/channels`` (default ``~/.cache/hshare/channels``)."""
+    return Path(os.environ.get("HSHARE_CACHE", Path.home() / ".cache" / "hshare")) / "channels"
+
+
+def model_name(model_config) -> str:
+    """The model's name as calibration files record it: the last part of its path or hub id."""
+    path = str(getattr(model_config, "_name_or_path", "") or "").rstrip("/")
+    return path.rsplit("/", 1)[-1] or model_config.model_type
+
+
+def calibration_file_name(name: str) -> str:
+    """``configs/channels/<name>.json``: the model name, lowercased, with other characters as ``-``."""
+    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") + ".json"
+
+
 def find_calibration(model_config) -> Path | None:
-    """The bundled calibration file whose signature matches the model, if any."""
+    """The calibration file for the model: in the user folder, then the bundled one, a file named
+    after the model whose signature matches, else any file whose signature matches."""
     signature = model_signature(model_config)
-    for path in sorted(bundled_calibration_dir().glob("*.json")):
-        with open(path) as f:
-            head = f.read(4096)
-        if f'"signature": "{signature}"' in head:
-            return path
-    return None
+    wanted = calibration_file_name(model_name(model_config))
+    matching = []
+    for folder in (user_calibration_dir(), bundled_calibration_dir()):
+        for path in sorted(folder.glob("*.json")):
+            with open(path) as f:
+                head = f.read(4096)
+            if f'"signature": "{signature}"' in head:
+                matching.append(path)
+    named = [p for p in matching if p.name == wanted]
+    return (named or matching or [None])[0]
 
 
 def resolve_calibration(heavy_channels: str, model_config) -> ChannelCalibration | None:

@@ -20,15 +20,19 @@ def _demo(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from hshare.calibrate import calibrate_to_file
-    from hshare.default_model import MODEL_NAME, load_default_model
+    from hshare.calibrate import calibrate_to_file, default_calibration_path
+    from hshare.channels import model_name
+    from hshare.default_model import load_model
 
-    model, tokenizer = load_default_model()
+    model, tokenizer = load_model(args.model, args.gguf_file, "float32", args.device)
+    name = model_name(model.config)
+    out = args.out or default_calibration_path(name)
     with tqdm(total=args.blocks, desc="calibrating", unit="block") as bar:
-        calibration = calibrate_to_file(model, tokenizer, args.text, args.out, blocks=args.blocks,
-                                        block_tokens=args.block_tokens, name=MODEL_NAME,
+        calibration = calibrate_to_file(model, tokenizer, args.text, out, blocks=args.blocks,
+                                        block_tokens=args.block_tokens, name=name,
                                         progress=lambda done, total: bar.update(1))
-    print(f"wrote {args.out}: {calibration.signature}, {calibration.tokens} tokens")
+    print(f"wrote {out}: {calibration.model}, {calibration.signature}, {calibration.tokens} tokens "
+          f"(hshare.patch finds it for this model with heavy_channels='auto')")
     return 0
 
 
@@ -75,9 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--threads", type=int, help="torch CPU threads")
     demo.set_defaults(run=_demo)
 
-    cal = commands.add_parser("calibrate", help="heavy-channel calibration of the default model on a text file")
+    cal = commands.add_parser("calibrate", help="heavy-channel calibration of a model on a text file")
     cal.add_argument("text", help="a plain-text corpus (e.g. War and Peace)")
-    cal.add_argument("out", help="output JSON")
+    cal.add_argument("out", nargs="?", help="output JSON (default: configs/channels/<model>.json when writable, "
+                                            "else $HSHARE_CACHE/channels/<model>.json)")
+    cal.add_argument("--model", help="a model directory or hub id (default: the embedded SmolLM2)")
+    cal.add_argument("--gguf-file", help="a GGUF file inside --model")
+    cal.add_argument("--device", help="cuda or cpu (default: CUDA when present)")
     cal.add_argument("--blocks", type=int, default=16)
     cal.add_argument("--block-tokens", type=int, default=512)
     cal.set_defaults(run=_calibrate)

@@ -1,0 +1,73 @@
+"""Heavy-channel calibration of any model: the statistic, the file, and `patch` finding it by name."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import hshare
+from hshare.calibrate import calibrate, default_calibration_path
+from hshare.channels import calibration_file_name, find_calibration, model_name, resolve_calibration
+
+from conftest import tiny_llama
+from eval_support import byte_tokenizer
+
+
+def test_statistic_is_the_mean_over_all_blocks_of_abs_q_times_k():
+    model = tiny_llama(kv_heads=2, layers=2)
+    tokenizer = byte_tokenizer()
+    model.resize_token_embeddings(259)
+    text = "".join(chr(97 + (i * 7) % 26) for i in range(300))
+    result = calibrate(model, tokenizer, text, blocks=3, block_tokens=64, name="tiny")
+    assert result.tokens == 192 and result.statistic.shape == (2, 4, 16)
+
+    # brute force: q and k post-RoPE of layer 1 for each block, through an eager forward hook
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    total = torch.zeros(4, 16, dtype=torch.float64)
+
+    def grab(module, query, key, value, attention_mask, **kwargs):
+        if module.layer_idx == 1:
+            k = key.repeat_interleave(2, dim=1)
+            total.add_((query.abs() * k.abs()).sum(2)[0].double())
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    from transformers import AttentionInterface
+    AttentionInterface.register("grab_test", grab)
+    model.set_attn_implementation("grab_test")
+    with torch.no_grad():
+        for b in range(3):
+            model(ids[b * 64:(b + 1) * 64][None], use_cache=False)
+    assert torch.allclose(result.statistic[1].double(), total / 192, rtol=1e-5, atol=1e-7)
+
+
+def test_patch_finds_a_calibration_by_model_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSHARE_CACHE", str(tmp_path))
+    model = tiny_llama(kv_heads=2, layers=2)
+    model.config._name_or_path = "/models/My-Tiny.Llama"
+    assert model_name(model.config) == "My-Tiny.Llama"
+    assert find_calibration(model.config) is None
+    tokenizer = byte_tokenizer()
+    model.resize_token_embeddings(259)
+    result = calibrate(model, tokenizer, "abcdefgh" * 40, blocks=2, block_tokens=64, name=model_name(model.config))
+    folder = tmp_path / "channels"
+    folder.mkdir()
+    other = folder / "another-model.json"  # same shape, another name: used only if nothing is named after it
+    result.save(other)
+    assert find_calibration(model.config) == other
+    mine = folder / calibration_file_name("My-Tiny.Llama")
+    assert mine.name == "my-tiny.llama.json"
+    result.save(mine)
+    assert find_calibration(model.config) == mine
+    assert json.loads(mine.read_text())["model"] == "My-Tiny.Llama"
+    hshare.patch(model, "ds", heavy_channels="auto")
+    patched = hshare.api.patch_state(model).calibration
+    assert patched is not None and torch.equal(patched.statistic, resolve_calibration("auto", model.config).statistic)
+    hshare.unpatch(model)
+
+
+def test_default_path_is_writable(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSHARE_CACHE", str(tmp_path))
+    path = default_calibration_path("Some/Model")
+    assert path.name == "some-model.json" and path.parent.is_dir()

@@ -1,0 +1,94 @@
+"""Sweep files, resuming an interrupted sweep, and the summary table (no model: evaluation injected)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hshare.config import ConfigError
+from hshare.eval.harness import EvalResult
+from hshare.eval.sweep import run_sweep, summarize, write_tables
+from hshare.eval.sweep_spec import load_sweep, sweep_names
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_bundled_sweeps_load_and_cover_the_paper_grid():
+    assert {"paper", "paper-128", "ablation"} <= set(sweep_names())
+    ablation = {e.name: e for e in load_sweep("ablation").entries}
+    for field, values in {"layer_sharing": ["3/4", "1/2", "1/4"], "head_sharing": ["3/4", "1/2", "1/4"],
+                          "query_sharing": ["1/2", "1/4"]}.items():
+        for value in values:
+            entry = ablation[f"ds@512+{field}={value}"]
+            assert entry.config().__getattribute__(field) == pytest.approx(eval(value))
+    paper = [e.name for e in load_sweep("paper").entries]
+    assert paper[0] == "dense" and "random-1_2-1_2-1_2@512" in paper and "streaming@512" in paper
+
+
+def test_sweep_file_errors_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="heavyy"):
+        load_sweep(_write(tmp_path, "configs:\n  - {preset: ds, set: {heavyy: 3}}\n"))
+    with pytest.raises(ConfigError, match="more than once"):
+        load_sweep(_write(tmp_path, "configs: [ds, ds]\n"))
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_sweep(_write(tmp_path, "config: [ds]\n"))
+    with pytest.raises(ConfigError, match="not found"):
+        load_sweep("no-such-sweep")
+
+
+def _fake_result(name, calls):
+    calls.append(name)
+    score = {"dense": 0.5, "ds": 0.4}.get(name, 0.3)
+    return EvalResult(config={"name": name}, scores={"gsm8k": {"exact_match,strict-match": score}},
+                      work={"score_computations": len(calls), "kv_rows_read": 25, "dense_kv_rows": 100},
+                      seconds=1.0, limit=2)
+
+
+def test_sweep_resumes_after_an_interruption_and_reruns_changed_runs(tmp_path):
+    spec = load_sweep(_write(tmp_path, "configs: [dense, ds, streaming]\n"))
+    out = tmp_path / "out"
+    calls = []
+
+    def interrupted(entry):
+        if entry.name == "streaming":
+            raise KeyboardInterrupt
+        return _fake_result(entry.name, calls)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(spec, interrupted, out, ["gsm8k"], 2)
+    assert calls == ["dense", "ds"]
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["dense.json", "ds.json"]
+
+    progress = []
+    records = run_sweep(spec, lambda e: _fake_result(e.name, calls), out, ["gsm8k"], 2,
+                        progress=lambda name, what: progress.append((name, what)))
+    assert calls == ["dense", "ds", "streaming"]  # only the unfinished config ran
+    assert [r["name"] for r in records] == ["dense", "ds", "streaming"]
+    assert ("dense", "skip") in progress and ("streaming", "done") in progress
+
+    run_sweep(spec, lambda e: _fake_result(e.name, calls), out, ["gsm8k"], 3)  # another limit: all rerun
+    assert calls[3:] == ["dense", "ds", "streaming"]
+    (out / "runs" / "ds.json").write_text("{truncated")  # a damaged file is redone, not trusted
+    run_sweep(spec, lambda e: _fake_result(e.name, calls), out, ["gsm8k"], 3)
+    assert calls[6:] == ["ds"]
+
+
+def test_summary_relative_scores_costs_and_files(tmp_path):
+    calls = []
+    records = [{"name": n, "work": r.work, "scores": r.scores, "seconds": r.seconds}
+               for n in ("dense", "ds") for r in [_fake_result(n, calls)]]
+    records[0]["work"] = {"score_computations": 0, "kv_rows_read": 100, "dense_kv_rows": 100}
+    rows = summarize(records)
+    assert rows[0]["gsm8k:vs_dense"] == 1.0 and rows[1]["gsm8k:vs_dense"] == pytest.approx(0.8)
+    assert rows[0]["kv_read"] == 1.0 and rows[1]["kv_read"] == 0.25
+    files = write_tables(rows, tmp_path, {"limit": 2})
+    md = files[0].read_text().splitlines()
+    assert md[1].startswith("| config | gsm8k:exact_match,strict-match | gsm8k:vs_dense")
+    assert md[4].startswith("| ds | 0.4 | 0.8 | 0.25 |")
+    assert json.loads((tmp_path / "sweep.json").read_text())["rows"][1]["config"] == "ds"
+    assert (tmp_path / "sweep.csv").read_text().splitlines()[2].startswith("ds,0.4,0.8")
