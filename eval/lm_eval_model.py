@@ -31,7 +31,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from hshare.api import new_cache, patch, unpatch
+from hshare.api import new_cache, patch, patch_state, unpatch
 from hshare.config import ConfigError, HShareConfig, resolve_config
 
 OVERRIDE_PREFIX = "hshare_"
@@ -120,6 +120,8 @@ class HShareLM(HFLM):
         HShareLM.last = self
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
+        if patch_state(self._model) is None:  # unpatched (`unpatch`): lm-eval's own generation
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
         cache = new_cache(self._model)
         out = super()._model_generate(context, max_length, stop, past_key_values=cache, **generation_kwargs)
         self.work.add(cache.stats)
