@@ -102,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.add_parser("eval", help="lm-eval with the 'hshare' model and local task data (hshare eval --help)",
                         add_help=False)
+    from hshare.eval.fidelity import add_fidelity_parser
     from hshare.eval.sweep import add_sweep_parser
 
     add_sweep_parser(commands)
+    add_fidelity_parser(commands)
 
     args = parser.parse_args(argv)
     return args.run(args)
