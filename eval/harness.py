@@ -52,11 +52,13 @@ class EvalResult:
 
 
 def task_scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """lm-eval's ``results["results"]`` -> task -> metric -> value (numbers only, no stderr)."""
+    """lm-eval's ``results["results"]`` -> task -> metric -> value (numbers only: no stderr, no
+    ``sample_len``)."""
     scores = {}
     for task, metrics in results.get("results", {}).items():
         scores[task] = {name: float(value) for name, value in metrics.items()
-                        if "_stderr" not in name and isinstance(value, (int, float)) and not isinstance(value, bool)}
+                        if "_stderr" not in name and name != "sample_len"
+                        and isinstance(value, (int, float)) and not isinstance(value, bool)}
     return scores
 
 
