@@ -62,49 +62,79 @@ def task_scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:
     return scores
 
 
-def evaluate(model, tokenizer, config: HShareConfig | str, tasks: list[str], data_dir: str | os.PathLike | None = None,
-             limit: int | float | None = None, batch_size: int = 8, num_fewshot: int | None = None,
-             gen_kwargs: dict[str, Any] | None = None, dense_fallback: bool = False, log_samples: bool = False,
-             overrides: dict[str, Any] | None = None, task_dir: str | os.PathLike | None = None) -> EvalResult:
+@dataclass
+class TaskSuite:
+    """Tasks ready for lm-eval: generated configs and lm-eval's task index, built once and reused
+    by every config of a sweep (indexing lm-eval's stock tasks takes tens of seconds).
+
+    Attributes:
+        tasks: lm-eval task names to run (groups expanded).
+        task_manager: lm-eval's ``TaskManager`` over the stock tasks and the generated ones.
+        task_dir: where the generated YAMLs and converted data live (kept while the suite is used).
+    """
+
+    tasks: list[str]
+    task_manager: Any
+    task_dir: Path
+
+    @classmethod
+    def prepare(cls, tasks: list[str], data_dir: str | os.PathLike | None, task_dir: str | os.PathLike) -> "TaskSuite":
+        """Generate the task configs under `task_dir` (`hshare.eval.tasks.prepare_tasks`); offline
+        (``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE``) when a data directory is used."""
+        from lm_eval.tasks import TaskManager
+
+        from hshare.eval.tasks import prepare_tasks, resolve_data_dir
+
+        setup = prepare_tasks(list(tasks), resolve_data_dir(data_dir), Path(task_dir))
+        if setup.offline:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        return cls(setup.tasks, TaskManager(include_path=setup.include_path), Path(task_dir))
+
+
+def evaluate(model, tokenizer, config: HShareConfig | str, tasks: "list[str] | TaskSuite",
+             data_dir: str | os.PathLike | None = None, limit: int | float | None = None, batch_size: int = 8,
+             num_fewshot: int | None = None, gen_kwargs: dict[str, Any] | str | None = None,
+             dense_fallback: bool = False, log_samples: bool = False,
+             overrides: dict[str, Any] | None = None) -> EvalResult:
     """Evaluate `model` patched with `config` on lm-eval `tasks`; the model is unpatched afterwards.
 
     Args:
         model, tokenizer: a loaded transformers causal LM (Llama / Mistral) and its tokenizer.
         config: an `HShareConfig`, preset name or YAML path.
-        tasks: lm-eval task names (``gsm8k``, ``coqa``, ``longbench_multi_news``, ``longbench``...).
+        tasks: lm-eval task names (``gsm8k``, ``coqa``, ``longbench_multi_news``, ``longbench``...),
+            or a `TaskSuite` prepared once for several evaluations (then `data_dir` is not used).
         data_dir: local task data (see `hshare.eval.tasks`); None = `HSHARE_DATA_DIR` or the hub.
         limit: documents per task (None = all).
         batch_size: generation batch size.
+        gen_kwargs: lm-eval generation overrides (``{"max_gen_toks": 128}`` or its string form).
         dense_fallback: keep the config's dense fallback of small steps (off: measure the algorithm).
-        task_dir: where generated task YAMLs go (default: a temporary directory).
+        overrides: `HShareConfig` fields replacing the config's.
     """
+    if not isinstance(tasks, TaskSuite):
+        with tempfile.TemporaryDirectory(prefix="hshare-tasks-") as scratch:
+            suite = TaskSuite.prepare(list(tasks), data_dir, scratch)
+            return evaluate(model, tokenizer, config, suite, limit=limit, batch_size=batch_size,
+                            num_fewshot=num_fewshot, gen_kwargs=gen_kwargs, dense_fallback=dense_fallback,
+                            log_samples=log_samples, overrides=overrides)
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from hshare.eval.lm_eval_model import HShareLM
-    from hshare.eval.tasks import prepare_tasks, resolve_data_dir
 
-    with tempfile.TemporaryDirectory(prefix="hshare-tasks-") as scratch:
-        setup = prepare_tasks(list(tasks), resolve_data_dir(data_dir), Path(task_dir or scratch))
-        if setup.offline:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-        task_manager = TaskManager(include_path=setup.include_path)
-        lm = HShareLM(pretrained=model, tokenizer=tokenizer, hshare=config, dense_fallback=dense_fallback,
-                      batch_size=batch_size, **{f"hshare_{k}": v for k, v in (overrides or {}).items()})
-        start = time.perf_counter()
-        try:
-            results = lm_eval.simple_evaluate(model=lm, tasks=setup.tasks, limit=limit, num_fewshot=num_fewshot,
-                                              gen_kwargs=gen_kwargs, task_manager=task_manager,
-                                              log_samples=log_samples, bootstrap_iters=0)
-        finally:
-            lm.unpatch()
-        seconds = time.perf_counter() - start
+    lm = HShareLM(pretrained=model, tokenizer=tokenizer, hshare=config, dense_fallback=dense_fallback,
+                  batch_size=batch_size, **{f"hshare_{k}": v for k, v in (overrides or {}).items()})
+    start = time.perf_counter()
+    try:
+        results = lm_eval.simple_evaluate(model=lm, tasks=tasks.tasks, limit=limit, num_fewshot=num_fewshot,
+                                          gen_kwargs=gen_kwargs, task_manager=tasks.task_manager,
+                                          log_samples=log_samples, bootstrap_iters=0)
+    finally:
+        lm.unpatch()
     return EvalResult(
-        config={k: v for k, v in dataclasses.asdict(lm.hshare_config).items()},
+        config=dataclasses.asdict(lm.hshare_config),
         scores=task_scores(results),
         work=lm.work.as_dict(),
-        seconds=seconds,
+        seconds=time.perf_counter() - start,
         limit=limit,
         samples=results.get("samples") if log_samples else None,
     )

@@ -221,7 +221,7 @@ def main_sweep(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from hshare.default_model import load_model
-    from hshare.eval.harness import evaluate
+    from hshare.eval.harness import TaskSuite, evaluate
 
     spec = load_sweep(args.configs)
     tasks = args.tasks.split(",") if args.tasks else spec.tasks
@@ -236,10 +236,12 @@ def main_sweep(args: argparse.Namespace) -> int:
             "data_dir": args.data_dir or os.environ.get("HSHARE_DATA_DIR"), "gen_kwargs": gen_kwargs,
             "dense_fallback": args.dense_fallback}
 
+    suite = TaskSuite.prepare(tasks, args.data_dir, out_dir / "tasks")
+
     def evaluate_one(entry: SweepEntry):
-        return evaluate(model, tokenizer, entry.config(), tasks, data_dir=args.data_dir, limit=limit,
-                        batch_size=args.batch_size, num_fewshot=args.num_fewshot, gen_kwargs=gen_kwargs,
-                        dense_fallback=args.dense_fallback, log_samples=args.log_samples)
+        return evaluate(model, tokenizer, entry.config(), suite, limit=limit, batch_size=args.batch_size,
+                        num_fewshot=args.num_fewshot, gen_kwargs=gen_kwargs, dense_fallback=args.dense_fallback,
+                        log_samples=args.log_samples)
 
     with tqdm(total=len(spec.entries), desc="sweep", unit="config") as bar:
         def progress(name: str, what: str) -> None:

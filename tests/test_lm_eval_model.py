@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from lm_eval.api.instance import Instance
@@ -80,3 +84,63 @@ def test_loglikelihood_is_exact_under_a_sparse_config():
     sparse.unpatch()
     for (a, greedy_a), (b, greedy_b) in zip(got, expected):
         assert a == pytest.approx(b, abs=1e-5) and greedy_a == greedy_b
+
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_data = pytest.mark.skipif(not (DATA / "gsm8k" / "test.jsonl").is_file(), reason=f"no task data at {DATA}")
+
+
+def _data_dir(tmp_path):
+    """gsm8k and multi_news from the shared data, CoQA from the synthetic official-layout fixture."""
+    root = tmp_path / "data"
+    (root / "coqa").mkdir(parents=True)
+    shutil.copy(Path(__file__).parent / "data" / "coqa_synthetic.json", root / "coqa" / "coqa-dev-v1.0.json")
+    (root / "gsm8k").symlink_to(DATA / "gsm8k")
+    (root / "longbench").mkdir()
+    (root / "longbench" / "multi_news.jsonl").symlink_to(DATA / "longbench" / "multi_news.jsonl")
+    return root
+
+
+@needs_data
+def test_evaluate_gsm8k_coqa_multi_news_with_limit_2(tmp_path, monkeypatch):
+    from hshare.eval.harness import TaskSuite, evaluate
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    model, tokenizer = _model(), byte_tokenizer()
+    suite = TaskSuite.prepare(["gsm8k", "coqa", "longbench_multi_news"], _data_dir(tmp_path), tmp_path / "tasks")
+    overrides = {"sink": 2, "local": 4, "heavy": 8, "label_channels": 4}
+    runs = {name: evaluate(model, tokenizer, name, suite, limit=2, batch_size=2, gen_kwargs="max_gen_toks=6",
+                           overrides=None if name == "dense" else overrides)
+            for name in ("dense", "hshare-1_2-1_2-1_2")}
+    for result in runs.values():
+        assert set(result.scores) == {"gsm8k", "coqa", "longbench_multi_news"}
+        assert {"exact_match,strict-match", "exact_match,flexible-extract"} <= set(result.scores["gsm8k"])
+        assert {"em,none", "f1,none"} <= set(result.scores["coqa"])
+        assert all(0.0 <= v <= 100.0 for task in result.scores.values() for v in task.values())
+        assert result.config["dense_fallback_mib"] == 0.0 and result.limit == 2
+    assert runs["dense"].work["score_computations"] == 0
+    sparse = runs["hshare-1_2-1_2-1_2"].work
+    assert sparse["decode_steps"] == runs["dense"].work["decode_steps"] > 0
+    assert 0 < sparse["score_computations"] and sparse["plans"] == sparse["generate_calls"]
+    assert hshare.api.patch_state(model) is None  # unpatched after each evaluation
+
+
+@needs_data
+def test_hshare_eval_command_runs_lm_eval_with_local_tasks(tmp_path, monkeypatch, capsys):
+    from hshare.cli import main
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    model_dir = tmp_path / "tiny"
+    _model().save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "results"
+    code = main(["eval", "--model_args", f"pretrained={model_dir},hshare=ds,hshare_heavy=8,hshare_local=4,"
+                 "hshare_sink=2,hshare_label_channels=4,dtype=float32", "--device", "cpu", "--tasks", "gsm8k",
+                 "--data-dir", str(_data_dir(tmp_path)), "--limit", "2", "--gen_kwargs", "max_gen_toks=4",
+                 "--output_path", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "gsm8k" in printed and "exact_match" in printed
+    assert "hshare work counters (ds)" in printed and "'score_computations': " in printed
+    saved = list(out.rglob("results_*.json"))
+    assert saved and json.loads(saved[0].read_text())["config"]["model"] == "hshare"
