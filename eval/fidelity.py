@@ -471,20 +471,33 @@ def parse_lengths(text: str) -> list[int]:
     return lengths
 
 
-def parse_configs(text: str) -> list[str]:
-    """``"ds@512,hshare-1_2-1_2-1_2"`` -> the names (presets or YAML paths), checked to exist."""
+def parse_configs(text: str) -> list:
+    """``"ds@512,hshare-1_2-1_2-1_2,sweep:ablation"`` -> presets / YAML paths (checked to exist), and
+    for ``sweep:<name or path>`` every config of that sweep file (`HShareConfig` objects named as in
+    the sweep)."""
     from hshare.config import ConfigError, resolve_config
+    from hshare.eval.sweep_spec import load_sweep
 
     names = [item.strip() for item in text.split(",")]
     if not all(names):
         raise argparse.ArgumentTypeError(f"empty config name in {text!r}; accepted: comma-separated preset "
-                                         "names or YAML paths")
+                                         "names, YAML paths or sweep:<sweep file>")
+    configs, seen = [], set()
     for name in names:
         try:
-            resolve_config(name)
+            if name.startswith("sweep:"):
+                expanded = [entry.config() for entry in load_sweep(name[len("sweep:"):]).entries]
+            else:
+                resolve_config(name)
+                expanded = [name]
         except ConfigError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
-    return names
+        for config in expanded:  # a config named twice (a preset also in a sweep) runs once
+            label = config if isinstance(config, str) else config.name
+            if label not in seen:
+                seen.add(label)
+                configs.append(config)
+    return configs
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -509,7 +522,8 @@ def add_fidelity_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, help="a plain-text file (e.g. War and Peace)")
     p.add_argument("--lengths", required=True, type=parse_lengths, help="context lengths, e.g. 1k,2k,4k,8k (k = 1024)")
     p.add_argument("--configs", required=True, type=parse_configs,
-                   help="comma-separated presets or YAML paths, e.g. ds@512,hshare-7_8-3_4-1_2@512")
+                   help="comma-separated presets, YAML paths or sweep:<sweep file or name>, e.g. "
+                        "ds@512,hshare-7_8-3_4-1_2@512,sweep:ablation")
     p.add_argument("--model", help="a local directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--gguf-file", help="a GGUF file inside --model")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, ...")
