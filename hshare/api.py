@@ -87,7 +87,7 @@ def _wrap_generate(model) -> None:
                 "returned sequences' columns), so generation cannot continue from it; accepted: a fresh cache, or "
                 "patch with prefix='off' for caches you continue"
             )
-        if isinstance(cache, HShareCache) and not cache.get_seq_length() and cache.config.prefix != "off":
+        if isinstance(cache, HShareCache) and not cache.get_seq_length() and cache.config.shares_prefix:
             shared = generate_with_shared_prefix(model, original, cache, args, kwargs)
             if shared is not None:
                 return shared

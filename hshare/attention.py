@@ -1,17 +1,21 @@
 """The attention function registered as ``"hshare"`` with transformers' `AttentionInterface`.
 
 * No `HShareCache` (a plain forward, lm-eval loglikelihood, a user's own cache): exact SDPA.
-* Prefill (q_len > 1, or the first token): exact SDPA; sparse layers build their label cache and,
-  when layers or heads share, record the planner's evidence (keep-sets of the last query rows).
+* Prefill (q_len > 1, or the first token): exact SDPA, or with ``sparse_prefill`` each query row of
+  a sparse layer over its own critical tokens (`hshare.sparse_prefill`); sparse layers build their
+  selection policy's metadata (`hshare.policy`: label cache or Quest pages) and, when layers or
+  heads share, record the planner's evidence (keep-sets of the last query rows).
 * Shared prefix (`HShareCache.prefix`): prefill and decode attend exactly to the prefix levels
   held once (one batched product per group and KV head) and to the row's own columns (dense, or
   HShare-sparse on sparse layers), merged exactly by LSE.
 * Decode (q_len == 1): the first layer opens the step (row windows, plan at the first step,
   whether this step starts a query group). Dense layers run exact SDPA. Sparse layers append the
-  new token's label; at selection steps the layer's source heads score the middle window on labels
-  and take the top-k, copying heads and layers reuse their source's columns; then gather-attention
-  over sink + heavy + local, or exact SDPA when every row is within the budget or the step is
-  too small for sparse attention to pay (`HShareConfig.dense_fallback_mib`).
+  new token to the policy's metadata; at selection steps the layer's source heads score the middle
+  window (policy scores) and take the top-k, copying heads and layers reuse their source's columns;
+  then gather-attention over sink + heavy + local, or exact SDPA when every row is within the budget
+  or the step is too small for sparse attention to pay (`HShareConfig.dense_fallback_mib`).
+* Work counters (`hshare.cache.DecodeStats`): every decode path tells the cache what it read (a
+  dense reading, or the critical indices), with device tensors only.
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hshare.cache import HShareCache, HShareLayer
-from hshare.channels import dynamic_channels
 from hshare.kernels import attention_with_lse, gather_attention, merge_attention_states
-from hshare.labels import LabelCache
 from hshare.planner import head_similarity, layer_overlaps
+from hshare.policy import SelectionPolicy, new_policy
 from hshare.selection import NO_TOKEN, prefill_middle_windows, select_heavy, valid_columns_from_mask
+from hshare.sparse_prefill import sparse_prefill_attention
 
 ATTENTION_NAME = "hshare"
 
@@ -53,17 +57,27 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     decoding = q_len == 1 and kv_len > 1
 
     if not decoding:
+        config = cache.config
         prefix = cache.prefix_attention(layer_idx, query, scaling)  # exact, over the shared prefix levels
         if layer_idx == 0:
             cache.begin_prefill()
-        if prefix is None:
+        sparse = cache.is_sparse_layer(layer_idx) and not cache.filling_prefix
+        if sparse:
+            valid = valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0]
+            policy = _prefill_policy(cache, layer_idx, query, key, valid)
+        if prefix is not None:
+            if config.sparse_prefill:
+                raise ValueError("HShareConfig.sparse_prefill does not combine with a shared prefix; accepted: "
+                                 "prefix='off' (or 'auto', which does not share with sparse prefill)")
+            out = _own_prefill_attention(query, key, value, attention_mask, scaling, prefix)
+        elif sparse and config.sparse_prefill and kv_len > config.budget:
+            out = sparse_prefill_attention(query, key, value, attention_mask, scaling, policy, config.sink,
+                                           config.local, config.heavy), None
+        else:  # dense (a context within the budget: every row would attend to all its keys anyway)
             out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                          **kwargs)
-        else:
-            out = _own_prefill_attention(query, key, value, attention_mask, scaling, prefix)
-        if cache.is_sparse_layer(layer_idx) and not cache.filling_prefix:
-            valid = valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0]
-            _prefill_labels_and_evidence(cache, layer_idx, query, key, valid)
+        if sparse and cache.collects_evidence:
+            _record_evidence(cache, layer_idx, query, valid)
         return out
 
     if layer_idx == 0:
@@ -71,8 +85,9 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     layer = cache.layers[layer_idx]
     sparse = cache.is_sparse_layer(layer_idx)
     if sparse:
-        layer.labels.append(key[:, :, layer.labels.length:])
+        layer.policy.append(key[:, :, layer.policy.length:])
     if not sparse or cache.state.dense_fallback:
+        cache.work.add_dense_layer()
         if cache.prefix is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
@@ -84,10 +99,12 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         layer.heavy = torch.full((batch, cache.sel_heads, cache.config.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
     if windows.all_short and cache.prefix is None:  # every row fits the budget: exact dense attention
+        cache.work.add_dense_layer()
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    return _decode_attention(cache, layer_idx, query, key, value, windows.critical_indices(layer.heavy),
-                             scaling), None
+    indices = windows.critical_indices(layer.heavy)
+    cache.work.add_indices(indices)
+    return _decode_attention(cache, layer_idx, query, key, value, indices, scaling), None
 
 
 def _decode_attention(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
@@ -125,37 +142,42 @@ def _own_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     return out.transpose(1, 2).contiguous(), None
 
 
-def _prefill_labels_and_evidence(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-                                 valid: torch.Tensor) -> None:
-    """Label cache of the new keys and, for a greedy plan, this layer's keep-sets.
+def _prefill_policy(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                    valid: torch.Tensor) -> SelectionPolicy:
+    """The layer's selection-policy metadata, made at its first prefill, with the new keys added.
 
     Args:
         query: ``[B, Hq, T, d]`` prefill queries; key: ``[B, Hkv, n, d]`` all cached keys.
         valid: ``[B, n]`` key validity of the last query row.
     """
+    layer: HShareLayer = cache.layers[layer_idx]
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if layer.policy is None:
+        layer.policy = new_policy(cache.config, cache.calibration, layer_idx, query, key[:, :, kv_len - q_len:],
+                                  valid[:, kv_len - q_len:], cache.kv_heads)
+    start = layer.policy.length
+    layer.policy.append(key[:, :, start:], valid[:, start:])
+    return layer.policy
+
+
+def _record_evidence(cache: HShareCache, layer_idx: int, query: torch.Tensor, valid: torch.Tensor) -> None:
+    """This layer's keep-sets for a greedy plan: the heavy columns decode selection would choose
+    for the last `plan_rows` prefill query rows (same policy scores, same windows).
+
+    Args:
+        query: ``[B, Hq, T, d]`` prefill queries.
+        valid: ``[B, n]`` key validity of the last query row.
+    """
     config = cache.config
     layer: HShareLayer = cache.layers[layer_idx]
-    batch, _, q_len, _ = query.shape
-    kv_len = key.shape[2]
-    if layer.labels is None:
-        if cache.calibration is not None:
-            channels = cache.calibration.channels(layer_idx, cache.kv_heads, config.selection, config.label_channels)
-            channels = channels.to(query.device)
-        else:
-            channels = dynamic_channels(query, key[:, :, kv_len - q_len:], valid[:, kv_len - q_len:],
-                                        config.selection, config.label_channels)
-        layer.labels = LabelCache(channels, config.label_bits, cache.kv_heads)
-    layer.labels.append(key[:, :, layer.labels.length:])
-    if not cache.collects_evidence:
-        return
-
+    q_len, kv_len = query.shape[2], valid.shape[1]
     rows = min(config.plan_rows, q_len)
     # keys each evidence row sees: the row's valid keys, causally (a left-pad row sees none)
     row_column = torch.arange(kv_len - rows, kv_len, device=query.device)[:, None]
     causal = torch.arange(kv_len, device=query.device)[None, :] <= row_column
     row_valid = valid[:, None, :] & causal[None] & valid[:, kv_len - rows:, None]  # [B, W, n]
     middle = prefill_middle_windows(row_valid, config.sink, config.local)
-    scores = layer.labels.prefill_scores(layer.labels.query_labels(query[:, :, q_len - rows:]))  # [B, H_sel, W, n]
+    scores = layer.policy.prefill_scores(query[:, :, q_len - rows:])  # [B, H_sel, W, n]
     keep = select_heavy(scores, middle[:, None], config.heavy)
     if config.head_sharing < 1:
         cache.state.head_similarity[layer_idx] = head_similarity(keep, kv_len)
@@ -167,7 +189,7 @@ def _prefill_labels_and_evidence(cache: HShareCache, layer_idx: int, query: torc
 def _select_heavy_columns(cache: HShareCache, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
     """Heavy columns ``[B, H_sel, heavy]`` of one layer at a selection step.
 
-    Only the rows for which this layer is a source, and only its source heads, compute label
+    Only the rows for which this layer is a source, and only its source heads, compute policy
     scores; copying heads take their source head's columns, copying layers their source layer's.
     """
     cache_state, config = cache.state, cache.config
@@ -177,23 +199,17 @@ def _select_heavy_columns(cache: HShareCache, layer_idx: int, query: torch.Tenso
     heavy = None
     rows = share.select_rows
     if rows is None or len(rows):
-        query_labels = layer.labels.query_labels(query)[:, :, 0]  # [B, H_sel, r]
         middle = cache_state.windows.selectable
         source_heads, head_slot = share.source_heads, share.head_slot
         if rows is not None:
-            query_labels, middle = query_labels.index_select(0, rows), middle.index_select(0, rows)
+            middle = middle.index_select(0, rows)
             if source_heads.shape[0] > 1:
                 source_heads, head_slot = source_heads.index_select(0, rows), head_slot.index_select(0, rows)
-        count = query_labels.shape[0]
-        if share.all_heads:
-            heads = None
-        else:
-            heads = source_heads
-            picks = source_heads.expand(count, -1)[..., None].expand(-1, -1, query_labels.shape[-1])
-            query_labels = query_labels.gather(1, picks)
-        scores = layer.labels.decode_scores(query_labels, rows=rows, heads=heads)  # [B', n_src, n]
+        count = middle.shape[0]
+        heads = None if share.all_heads else source_heads
+        scores = layer.policy.decode_scores(query[:, :, 0], rows=rows, heads=heads)  # [B', n_src, n]
         chosen = select_heavy(scores, middle[:, None], config.heavy)
-        cache.stats.score_computations += count * scores.shape[1]
+        cache.count_scorings(count * scores.shape[1], layer.policy)
         if not share.all_heads:
             slots = head_slot.expand(count, -1)[..., None].expand(-1, -1, config.heavy)
             chosen = chosen.gather(1, slots)

@@ -5,10 +5,15 @@ size, prompts and lengths may change freely between calls and nothing leaks. It 
 `Cache` (generate, beams and pipelines use it as any other cache); its layers keep the whole KV
 in growable buffers (no per-step ``torch.cat``). Sliding-window models keep full KV: the window is
 enforced by the attention mask, so the sparse path never attends outside it.
+
+Work counters (`DecodeStats`, ``cache.stats``): host integers where the work is known from shapes
+(steps, scorings, scored tokens / pages), device tensors for the K/V rows read (`WorkCounters`: no
+host sync in a decode step; reading ``cache.stats`` syncs once).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -17,8 +22,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hshare.buffer import GrowingBuffer
 from hshare.channels import ChannelCalibration
 from hshare.config import HShareConfig
-from hshare.labels import LabelCache
 from hshare.planner import SharingPlan, build_plan, identity_plan
+from hshare.policy import SelectionPolicy
 from hshare.prefix_store import PrefixStore
 from hshare.selection import NO_TOKEN, RowWindows
 
@@ -27,7 +32,9 @@ class HShareLayer(CacheLayerMixin):
     """One layer's KV (``[B, Hkv, n, d]`` views of growable buffers) and sparse-decode state.
 
     Attributes:
-        labels: the layer's `LabelCache` (sparse layers, after prefill).
+        policy: the layer's selection-policy metadata (`hshare.policy.SelectionPolicy`: a
+            `LabelCache` or a `QuestPageCache`; sparse layers, after prefill). ``labels`` is the
+            same object (the name it had when labels were the only policy).
         heavy: ``[B, H_sel, heavy]`` heavy columns of the last selection (query groups reuse them).
         keep: ``[B, H_sel, W, heavy]`` prefill keep-sets, the planner's evidence (until planned).
         prefix_width: columns held by the cache's shared-prefix store before this layer's own
@@ -42,10 +49,14 @@ class HShareLayer(CacheLayerMixin):
         super().__init__()
         self._keys = GrowingBuffer()
         self._values = GrowingBuffer()
-        self.labels: LabelCache | None = None
+        self.policy: SelectionPolicy | None = None
         self.heavy: torch.Tensor | None = None
         self.keep: torch.Tensor | None = None
         self.prefix_width = 0
+
+    @property
+    def labels(self) -> SelectionPolicy | None:
+        return self.policy
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -73,8 +84,8 @@ class HShareLayer(CacheLayerMixin):
         self._keys.select_rows(rows)
         self._values.select_rows(rows)
         self.keys, self.values = self._keys.view(), self._values.view()
-        if self.labels is not None:
-            self.labels.select_rows(rows)
+        if self.policy is not None:
+            self.policy.select_rows(rows)
         if self.heavy is not None:
             self.heavy = self.heavy.index_select(0, rows.to(self.heavy.device))
         self.keep = None
@@ -89,8 +100,8 @@ class HShareLayer(CacheLayerMixin):
         self._keys.crop(length)
         self._values.crop(length)
         self.keys, self.values = self._keys.view(), self._values.view()
-        if self.labels is not None:
-            self.labels.crop(length)
+        if self.policy is not None:
+            self.policy.crop(length)
         self.heavy = None  # selections may point past the cropped end: select again
 
     def reset(self) -> None:
@@ -102,7 +113,12 @@ class HShareLayer(CacheLayerMixin):
 
 @dataclass
 class DecodeStats:
-    """Counters of one generation (what sharing saves is visible here).
+    """Counters of one generation (what sharing saves is visible here), all exact integers.
+
+    The attention-cost counters turn into cost ratios: ``kv_rows_read / dense_kv_rows`` is the
+    share of dense attention's KV reads a config does, and ``scored_tokens`` (labels: x the label
+    bytes per token) or ``scored_pages`` (Quest: x 2 x d key elements per page) the selection work.
+    All count decode steps only (prefill, sparse or not, is not counted).
 
     Attributes:
         decode_steps: decode forward passes.
@@ -110,8 +126,23 @@ class DecodeStats:
         dense_fallback_steps: decode steps run densely because the KV was too small for sparse
             attention to pay (`HShareConfig.dense_fallback_mib`).
         selection_steps: decode steps that (re)selected critical tokens (query groups).
-        score_computations: (row, layer, selection head) triples whose label scores were computed.
+        score_computations: (row, layer, selection head) scorings done (label or page scores).
         plans: sharing plans built (one per generate when layers or heads share).
+        scored_tokens: tokens whose approximate score was computed (labels policy): summed over
+            scorings, the label-cache length n of the layer at that step (every cached own column
+            of the row is scored, left padding included).
+        scored_pages: the same for the Quest policy: summed over scorings, the page slots of the
+            layer's page cache at that step.
+        kv_rows_read: K/V token rows read by decode attention, summed over (row, layer, KV-head
+            reading): a dense step or layer reads each row's valid keys x Hkv; a sparse layer reads
+            the valid (not -1) critical indices x the heads reading them (per-KV-head selection:
+            Hkv readings of N_c; per-query-head selection: Hq readings); a shared-prefix level is
+            read once per group that has rows (its valid tokens x Hkv, for all rows of the group).
+        dense_kv_rows: what dense attention without a shared prefix reads at the same steps: every
+            row's valid keys (prefix levels included) x Hkv x layers.
+
+    The two KV counters are accumulated on the device (`HShareCache` adds tensors to a small
+    int64 tensor: no host sync in a decode step) and converted when ``cache.stats`` is read.
     """
 
     decode_steps: int = 0
@@ -120,6 +151,80 @@ class DecodeStats:
     selection_steps: int = 0
     score_computations: int = 0
     plans: int = 0
+    scored_tokens: int = 0
+    scored_pages: int = 0
+    kv_rows_read: int = 0
+    dense_kv_rows: int = 0
+
+
+_KV_ROWS_READ, _DENSE_KV_ROWS = 0, 1  # slots of the WorkCounters tensors
+
+
+class WorkCounters:
+    """The device side of `DecodeStats`: K/V rows read, accumulated without host syncs.
+
+    Each decode step adds, once, what dense attention reads (``begin_step``: the rows' valid keys,
+    a device scalar, x Hkv x layers) and what the prefix levels cost; the layers that read every
+    valid own key are counted on the host as they run and added once per step (`flush`: one
+    tensor op); sparse layers add the valid count of their critical indices (`add_indices`). One
+    int64 ``[2]`` tensor per device; `totals` syncs once.
+
+    Args:
+        kv_heads: Hkv, the KV heads a dense reading reads each valid key from.
+    """
+
+    def __init__(self, kv_heads: int) -> None:
+        self.kv_heads = kv_heads
+        self.work: dict[torch.device, torch.Tensor] = {}
+        self.own_keys: torch.Tensor | None = None  # this step: valid own keys of all rows (device scalar)
+        self.dense_layers = 0  # layers of this step that read every valid own key (host count)
+
+    def _on(self, device: torch.device) -> torch.Tensor:
+        work = self.work.get(device)
+        if work is None:
+            work = self.work[device] = torch.zeros(2, dtype=torch.int64, device=device)
+        return work
+
+    def flush(self) -> None:
+        """Add the dense readings of the current step (one tensor op per step)."""
+        if self.own_keys is not None and self.dense_layers:
+            self._on(self.own_keys.device)[_KV_ROWS_READ].add_(self.own_keys, alpha=self.dense_layers * self.kv_heads)
+        self.dense_layers = 0
+
+    def begin_step(self, own_keys: torch.Tensor, layers: int, prefix_tokens: tuple[torch.Tensor, torch.Tensor] | None
+                   ) -> None:
+        """A decode step starts.
+
+        Args:
+            own_keys: valid own keys summed over the rows (int64 device scalar).
+            layers: the model's layers (each one attends once per step).
+            prefix_tokens: None, or the prefix levels' ``(valid tokens summed over the groups that
+                have rows, valid tokens summed over the rows' groups)`` (device scalars).
+        """
+        self.flush()
+        self.own_keys = own_keys
+        work = self._on(own_keys.device)
+        work[_DENSE_KV_ROWS].add_(own_keys, alpha=layers * self.kv_heads)
+        if prefix_tokens is not None:
+            work[_KV_ROWS_READ].add_(prefix_tokens[0].to(work.device), alpha=layers * self.kv_heads)
+            work[_DENSE_KV_ROWS].add_(prefix_tokens[1].to(work.device), alpha=layers * self.kv_heads)
+
+    def add_dense_layer(self) -> None:
+        """A layer of this step read every valid own key of every row, from every KV head."""
+        self.dense_layers += 1
+
+    def add_indices(self, indices: torch.Tensor) -> None:
+        """A layer read the valid entries of its critical indices ``[B, H_sel, N_c]`` (-1 = none)."""
+        self._on(indices.device)[_KV_ROWS_READ].add_((indices >= 0).sum())
+
+    def totals(self) -> tuple[int, int]:
+        """``(kv_rows_read, dense_kv_rows)`` as ints (a host sync)."""
+        self.flush()
+        read = dense = 0
+        for work in self.work.values():
+            r, d = work.tolist()
+            read, dense = read + r, dense + d
+        return read, dense
 
 
 @dataclass
@@ -179,8 +284,26 @@ class HShareCache(Cache):
         self.sparse_layers = [i for i in range(self.num_layers) if i not in dense] if config.sparse else []
         self._sparse = set(self.sparse_layers)
         self.state = DecodeState()
-        self.stats = DecodeStats()
+        self.counts = DecodeStats()  # the host-side counters (kv_rows_read, dense_kv_rows stay 0 here)
+        self.work = WorkCounters(self.kv_heads)  # the device-side ones
         self.prefix: PrefixStore | None = None
+        self._prefix_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def stats(self) -> DecodeStats:
+        """The generation's counters (`DecodeStats`), a fresh object at each read. The K/V row
+        counters live on the device during generation; reading them here is one host sync."""
+        read, dense = self.work.totals()
+        return dataclasses.replace(self.counts, kv_rows_read=read, dense_kv_rows=dense)
+
+    def count_scorings(self, scorings: int, policy: SelectionPolicy) -> None:
+        """`scorings` (row, head) scorings of one layer by `policy` (host ints from shapes: no sync)."""
+        self.counts.score_computations += scorings
+        units = scorings * policy.scored_units()
+        if policy.unit == "pages":
+            self.counts.scored_pages += units
+        else:
+            self.counts.scored_tokens += units
 
     # ---- shared prefix ------------------------------------------------------------------
     def set_prefix(self, prefix: PrefixStore) -> None:
@@ -188,6 +311,7 @@ class HShareCache(Cache):
         if self.get_seq_length():
             raise ValueError("a shared prefix must be set on an empty cache")
         self.prefix = prefix
+        self._prefix_tokens = None
         self._set_prefix_width(0)
 
     def _set_prefix_width(self, width: int) -> None:
@@ -221,6 +345,27 @@ class HShareCache(Cache):
             own = torch.where(valid, columns, torch.full_like(columns, NO_TOKEN))
             state.own_columns = own[:, None].expand(-1, self.kv_heads, -1).contiguous()
         return state.own_columns
+
+    def prefix_tokens(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Prefix-level tokens one layer's decode attention reads per KV head, and what the rows
+        would read without sharing: ``(valid tokens summed over the groups that have rows, valid
+        tokens summed over the rows' groups)``, int64 device scalars summed over the levels (built
+        once per layout, with tensor ops only; None without a prefix)."""
+        if self.prefix is None:
+            return None
+        if self._prefix_tokens is None:
+            read = seen = torch.zeros((), dtype=torch.int64, device=device)
+            for level in self.prefix.levels:
+                row_group = level.row_group.to(device)
+                member = row_group >= 0
+                group = row_group.clamp(min=0)
+                tokens = (torch.full((level.groups,), level.width, dtype=torch.int64, device=device)
+                          if level.key_valid is None else level.key_valid.to(device).sum(-1))
+                rows = torch.zeros(level.groups, dtype=torch.int64, device=device).scatter_add_(0, group, member.long())
+                read = read + (tokens * (rows > 0)).sum()
+                seen = seen + (tokens[group] * member).sum()
+            self._prefix_tokens = (read, seen)
+        return self._prefix_tokens
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.filling_prefix:
@@ -256,14 +401,15 @@ class HShareCache(Cache):
         """
         state, config = self.state, self.config
         state.step += 1
-        self.stats.decode_steps += 1
+        self.counts.decode_steps += 1
         state.valid, state.own_columns = valid, None
+        self.work.begin_step(valid.sum(), self.num_layers, self.prefix_tokens(valid.device))
         if not self.sparse_layers:
             state.windows, state.selecting = None, False
             return
         state.dense_fallback = self._layer_kv_bytes(valid) < config.dense_fallback_bytes(valid.device)
         if state.dense_fallback:  # too small for sparse to pay: exact dense; the next sparse step selects
-            self.stats.dense_fallback_steps += 1
+            self.counts.dense_fallback_steps += 1
             state.windows, state.selecting, state.last_selection = None, False, None
             return
         if state.plan is None:
@@ -274,10 +420,10 @@ class HShareCache(Cache):
         state.selecting = bool(due and config.heavy > 0)
         if due:
             state.last_selection = state.step
-            self.stats.selection_steps += int(config.heavy > 0)
+            self.counts.selection_steps += int(config.heavy > 0)
         lookahead = config.query_group - 1 if state.selecting and config.group_lookahead else 0
         state.windows = RowWindows.build(valid, config.sink, config.local, config.budget, lookahead)
-        self.stats.sparse_steps += int(not state.windows.all_short)
+        self.counts.sparse_steps += int(not state.windows.all_short)
 
     def _layer_kv_bytes(self, valid: torch.Tensor) -> int:
         """Bytes of one layer's own keys and values at this step (what dense attention reads)."""
@@ -295,7 +441,7 @@ class HShareCache(Cache):
                 state.head_similarity, state.layer_similarity, self.sparse_layers, self.num_layers, self.sel_heads,
                 config.layer_sharing, config.head_sharing, config.plan_scope == "sample", batch, device, generator,
             )
-            self.stats.plans += 1
+            self.counts.plans += 1
         state.head_similarity, state.layer_similarity = {}, {}
         for layer in self.layers:
             layer.keep = None
@@ -342,6 +488,7 @@ class HShareCache(Cache):
             layer.select_rows(rows)
         if self.prefix is not None:
             self.prefix.select_rows(rows)
+            self._prefix_tokens = None
         if self.state.plan is not None and self.state.plan.per_sample:
             self._compile_plan(self.state.plan.select_rows(rows.to(self.state.plan.layer_source.device)))
 
@@ -380,5 +527,5 @@ class HShareCache(Cache):
         return total
 
     def label_bytes(self) -> int:
-        """Bytes of the label caches (codes, scales, zeros)."""
-        return sum(layer.labels.nbytes() for layer in self.layers if layer.labels is not None)
+        """Bytes of the selection metadata: label caches (codes, scales, zeros) or Quest page bounds."""
+        return sum(layer.policy.nbytes() for layer in self.layers if layer.policy is not None)

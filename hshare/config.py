@@ -4,8 +4,10 @@ Vocabulary of the HShare paper (Wu et al., ICLR 2025, section 4):
 
 * critical tokens N_c = ``sink`` (first valid tokens) + ``local`` (most recent tokens, the current one
   included) + ``heavy`` (top scorers of the middle window ``[sink, n - local)``);
-* approximate scores are computed on *labels*: ``label_channels`` heavy channels of every cached
-  key, quantized to ``label_bits`` (DoubleSparse);
+* approximate scores come from a *selection policy* (``policy``): ``"labels"`` scores tokens on
+  ``label_channels`` heavy channels of every cached key, quantized to ``label_bits`` (DoubleSparse,
+  HShare); ``"quest"`` scores pages of ``page_size`` columns by the channel-wise min and max of their
+  keys (Quest, Tang et al., ICML 2024). Sharing, windows and budgets are the same for both;
 * sharing ratios a-b-c (section 4.2, eq. 4): ``layer_sharing`` = 1 - k_l / n_l,
   ``head_sharing`` = 1 - k_h / n_h, ``query_sharing`` = 1 / query group size (reselect every
   ``query_group`` decode steps).
@@ -32,6 +34,7 @@ PLAN_SCOPES = ("batch", "sample")
 PLANNERS = ("greedy", "random")
 LABEL_BITS = (4, 8, 16)
 PREFIX_MODES = ("auto", "on", "off")
+POLICIES = ("labels", "quest")
 DEFAULT_DENSE_FALLBACK_MIB = 768.0  # H100, eager decode: the sparse step loses below ~0.5-1 GiB per layer (RESULTS.md)
 
 
@@ -89,6 +92,17 @@ class HShareConfig:
             window has moved on, and the tokens that left it were never candidates, so nobody
             attends them until the next selection. Same work either way.
         dense_layers: layers kept dense at decode (not sparse, not in the layer plan).
+        policy: the selection policy (`hshare.policy`): what metadata a sparse layer keeps and how it
+            scores tokens. "labels" (DoubleSparse / HShare: label cache of heavy channels) or "quest"
+            (per page of `page_size` columns and KV head, the channel-wise min and max of the keys;
+            a page's score bounds q . k from above; the heavy budget takes whole pages).
+        page_size: columns per Quest page (16 in the Quest paper); unused by "labels".
+        sparse_prefill: at prefill, each query row of a sparse layer attends only to its own critical
+            tokens (sink + local + the heavy top-k of its causal middle window by the policy's
+            scores; rows with no more valid keys than N_c attend densely): the HShare paper's
+            Appendix A.1 variant. False = exact dense prefill (the paper's main setting). A shared
+            prefix is prefilled exactly for all rows at once, so it does not combine with sparse
+            prefill: ``prefix="on"`` is refused, ``prefix="auto"`` does not share.
         selection: "kv_head" (one selection per KV head, read once by its g query heads) or
             "query_head" (one per query head, as the paper's code). Same for MHA.
         plan_scope: "batch" (one plan for the batch, the paper's statement) or "sample".
@@ -131,6 +145,9 @@ class HShareConfig:
     query_sharing: float = 1.0
     group_lookahead: bool = True
     dense_layers: tuple[int, ...] = ()
+    policy: str = "labels"
+    page_size: int = 16
+    sparse_prefill: bool = False
     selection: str = "kv_head"
     plan_scope: str = "batch"
     planner: str = "greedy"
@@ -175,6 +192,10 @@ class HShareConfig:
             raise ConfigError(f"HShareConfig.dense_layers = {self.dense_layers!r} is invalid; accepted: a list of layer indices")
         if len(set(self.dense_layers)) != len(self.dense_layers):
             raise ConfigError(f"HShareConfig.dense_layers = {list(self.dense_layers)} repeats a layer; accepted: distinct indices")
+        self.policy = _choice("policy", self.policy, POLICIES)
+        self.page_size = _int("page_size", self.page_size, 1, 65536)
+        if not isinstance(self.sparse_prefill, bool):
+            raise ConfigError(f"HShareConfig.sparse_prefill = {self.sparse_prefill!r} is invalid; accepted: true or false")
         self.selection = _choice("selection", self.selection, SELECTION_GRANULARITIES)
         self.plan_scope = _choice("plan_scope", self.plan_scope, PLAN_SCOPES)
         self.planner = _choice("planner", self.planner, PLANNERS)
@@ -202,6 +223,12 @@ class HShareConfig:
         self.prefix_min_batch = _int("prefix_min_batch", self.prefix_min_batch, 1)
         self.prefix_min_saved_tokens = _int("prefix_min_saved_tokens", self.prefix_min_saved_tokens, 0)
         self.prefix_levels = _int("prefix_levels", self.prefix_levels, 1, 2)
+        if self.sparse_prefill and self.prefix == "on":
+            raise ConfigError(
+                "HShareConfig.sparse_prefill = True with prefix = 'on' is invalid: a shared prefix is prefilled "
+                "exactly, once for all rows, while sparse prefill selects per row; accepted: sparse_prefill with "
+                "prefix 'off' or 'auto' (which then does not share), or prefix 'on' without sparse_prefill"
+            )
 
     # ---- derived quantities -------------------------------------------------------------
     @property
@@ -218,6 +245,11 @@ class HShareConfig:
     def shares_layers_or_heads(self) -> bool:
         return self.layer_sharing < 1.0 or self.head_sharing < 1.0
 
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether ``generate`` looks for a shared prompt prefix (never with sparse prefill)."""
+        return self.prefix != "off" and not self.sparse_prefill
+
     def dense_fallback_bytes(self, device: torch.device) -> float:
         """The per-layer KV size below which a decode step runs densely on `device`."""
         mib = self.dense_fallback_mib
@@ -233,13 +265,18 @@ class HShareConfig:
                 f"HShareConfig.dense_layers = {list(self.dense_layers)} names layer(s) {bad} but the model has "
                 f"{num_layers} layers; accepted: indices in [0, {num_layers - 1}]"
             )
-        if self.sparse and self.label_channels > head_dim:
+        if self.sparse and self.policy == "labels" and self.label_channels > head_dim:
             raise ConfigError(
                 f"HShareConfig.label_channels = {self.label_channels} exceeds the model's head_dim {head_dim}; "
                 f"accepted: 1..{head_dim}"
             )
 
     def replace(self, **changes: Any) -> "HShareConfig":
+        """A copy with some fields changed (validated); unknown field names raise `ConfigError`."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ConfigError(f"unknown HShareConfig field(s) {unknown}; accepted fields: {sorted(known - {'name'})}")
         return dataclasses.replace(self, **changes)
 
     # ---- loading ------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The label cache of one layer: quantized heavy channels of every cached key (HShare section 4.2).
 
-Built at prefill from the prompt's keys, appended one token per decode step, and scored against
-the current query's heavy channels for the *source* selection heads only.
+The ``"labels"`` selection policy (`hshare.policy.SelectionPolicy`; DoubleSparse / HShare): built at
+prefill from the prompt's keys, appended one token per decode step, and scored against the current
+query's heavy channels for the *source* selection heads only. A token's score is its approximate
+logit ``q_lab . k_lab``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from hshare.kernels import append_labels, label_scores, label_storage_dtype, sco
 
 
 class LabelCache:
-    """Labels ``[B, H_sel, n, r]`` (quantized) of one layer.
+    """Labels ``[B, H_sel, n, r]`` (quantized) of one layer: a `SelectionPolicy` scoring tokens.
 
     Args:
         channels: ``[P, H_sel, r]`` heavy channels of each selection head; P = 1 (calibrated, all
@@ -21,6 +23,8 @@ class LabelCache:
         bits: 4, 8 or 16.
         kv_heads: KV heads of the layer; selection head s reads KV head ``s * Hkv // H_sel``.
     """
+
+    unit = "tokens"  # one scoring scores every cached token (DecodeStats.scored_tokens)
 
     def __init__(self, channels: torch.Tensor, bits: int, kv_heads: int) -> None:
         self.channels = channels
@@ -38,8 +42,15 @@ class LabelCache:
     def length(self) -> int:
         return self.codes.length
 
-    def append(self, new_keys: torch.Tensor) -> None:
-        """Quantize and append the labels of new keys ``[B, Hkv, t, d]`` (written in place)."""
+    def scored_units(self) -> int:
+        """Tokens one (row, head) scoring computes now: every cached column n (padding included)."""
+        return self.length
+
+    def append(self, new_keys: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Quantize and append the labels of new keys ``[B, Hkv, t, d]`` (written in place).
+
+        `valid` (``[B, t]``) is not needed: a token's label depends on its key only, and invalid
+        columns are never selected (the windows exclude them)."""
         batch, _, tokens, _ = new_keys.shape
         shape, device = (batch, self.sel_heads), new_keys.device
         store = label_storage_dtype(new_keys.dtype)
@@ -70,22 +81,36 @@ class LabelCache:
         channels = self.channels[:, :, None, None, :].expand(batch, -1, grouped.shape[2], rows, -1)
         return grouped.gather(-1, channels).sum(2)
 
-    def prefill_scores(self, query_labels: torch.Tensor) -> torch.Tensor:
-        """Approximate logits ``[B, H_sel, Q, n]`` of every cached token for Q queries per head."""
-        return label_scores(query_labels, self.codes.view(), self.scale.view(), self.zero.view(), self.bits)
-
-    def decode_scores(self, query_labels: torch.Tensor, rows: torch.Tensor | None = None,
-                      heads: torch.Tensor | None = None) -> torch.Tensor:
-        """Approximate logits of every cached token for some rows and source heads (in place).
+    def prefill_scores(self, query: torch.Tensor) -> torch.Tensor:
+        """Approximate logits of every cached token for Q query rows.
 
         Args:
-            query_labels: ``[B', H', r]`` for the chosen rows and heads.
-            rows: ``[B']`` batch rows (None = all).
-            heads: ``[B' or 1, H']`` selection heads per row (None = all).
+            query: ``[B, Hq, Q, d]``.
 
         Returns:
-            ``[B', H', n]``.
+            ``[B, H_sel, Q, n]`` fp32 (fp64 for fp64 queries).
         """
+        return label_scores(self.query_labels(query), self.codes.view(), self.scale.view(), self.zero.view(),
+                            self.bits)
+
+    def decode_scores(self, query: torch.Tensor, rows: torch.Tensor | None = None,
+                      heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Approximate logits of every cached token for some rows and source heads (read in place).
+
+        Args:
+            query: ``[B, Hq, d]`` the decode query of every row.
+            rows: ``[B']`` batch rows to score (None = all).
+            heads: ``[B' or 1, H']`` selection heads to score per row (None = all).
+
+        Returns:
+            ``[B', H', n]`` fp32 (fp64 for fp64 queries).
+        """
+        query_labels = self.query_labels(query[:, :, None])[:, :, 0]  # [B, H_sel, r]
+        if rows is not None:
+            query_labels = query_labels.index_select(0, rows)
+        if heads is not None:
+            picks = heads.expand(query_labels.shape[0], -1)[..., None].expand(-1, -1, query_labels.shape[-1])
+            query_labels = query_labels.gather(1, picks)
         return score_heads(query_labels, self.codes.view(), self.scale.view(), self.zero.view(), self.bits, rows,
                            heads)
 
@@ -100,4 +125,5 @@ class LabelCache:
             buffer.crop(length)
 
     def nbytes(self) -> int:
+        """Bytes of the labels (codes, scales, zeros) of the cached tokens."""
         return self.codes.nbytes() + self.scale.nbytes() + self.zero.nbytes()

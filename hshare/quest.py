@@ -1,0 +1,243 @@
+"""The Quest page cache of one layer (Tang et al., ICML 2024): the ``"quest"`` selection policy.
+
+Quest splits a row's cached tokens into *pages* of ``page_size`` consecutive columns and keeps, per
+page and KV head, the channel-wise minimum and maximum of the page's keys. For a query q the page's
+score ``sum_c max(q_c * min_c, q_c * max_c)`` bounds ``q . k`` from above for every key k of the
+page; with per-KV-head selection the bounds of the g query heads of the group are summed (as the
+label policy sums their approximate logits). Computed as ``q+ . max + q- . min`` with
+``q+ = max(q, 0)``, ``q- = min(q, 0)``: two small products per page, the g heads' ``q+`` and ``q-``
+summed first.
+
+Paging. Pages are counted from each row's first valid column (the first one at prefill): a
+left-padded row is paged exactly as the row alone, pads never share a page with tokens, and a row's
+selection does not depend on how much its batch mates pad it. Column j of row b lies in page
+``(j + shift_b) // page_size`` with ``shift_b = -first_valid_b mod page_size``. Invalid columns
+(padding, the gap before a shared prefix's own part) are excluded from min and max: a page holding
+no valid key keeps the sentinels ``min = +big, max = -big`` (its score is ``<= 0`` or ``-inf``, never
+NaN), and no selectable token lies in it. The last, partial page is updated as tokens are appended
+(min / max are associative, so an append only touches the pages its tokens fall in).
+
+Whole pages. A token's score is its page's score, so the heavy budget should take whole pages. The
+scores this policy returns are therefore *ranking keys* (`token_keys`): tokens ordered by page score
+(descending), ties between pages broken by the earlier page, then by column inside the page. The
+top-``heavy`` middle-window tokens by this key are the middle-window tokens of the best pages, taken
+page after page; only the last page taken is cut when the budget ends inside it. Pages that straddle
+the sink or local window contribute their middle tokens only (the windows are always kept anyway).
+
+All of it is plain PyTorch (CPU and CUDA alike); nothing here goes through the label kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hshare.buffer import GrowingBuffer
+
+_APPEND_CHUNK_ELEMENTS = 1 << 24  # key elements gathered at once by `append` (bounds prefill memory)
+
+
+def pages_for(length: int, page_size: int) -> int:
+    """Page slots needed for `length` columns: a row's pages may start up to page_size - 1 columns
+    before column 0 (``shift`` < page_size), so the last column's page index is at most
+    ``(length - 1 + page_size - 1) // page_size``."""
+    return 0 if length <= 0 else (length + page_size - 2) // page_size + 1
+
+
+def page_bounds_reference(keys: torch.Tensor, valid: torch.Tensor, page_size: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Brute-force page bounds (a loop over rows and pages; the test oracle of `QuestPageCache`).
+
+    Args:
+        keys: ``[B, Hkv, n, d]``; valid: ``[B, n]`` bool.
+
+    Returns:
+        ``(low [B, Hkv, P, d], high [B, Hkv, P, d], has_keys [B, P])`` with P = `pages_for(n)`;
+        pages without a valid key have ``has_keys`` False (their low / high are undefined: zeros).
+    """
+    batch, kv_heads, n, dim = keys.shape
+    pages = pages_for(n, page_size)
+    low = keys.new_zeros(batch, kv_heads, pages, dim)
+    high = keys.new_zeros(batch, kv_heads, pages, dim)
+    has = torch.zeros(batch, pages, dtype=torch.bool)
+    for b in range(batch):
+        columns = valid[b].nonzero().flatten().tolist()
+        shift = (-columns[0]) % page_size if columns else 0
+        for p in range(pages):
+            mine = [j for j in columns if (j + shift) // page_size == p]
+            if mine:
+                has[b, p] = True
+                low[b, :, p] = keys[b, :, mine].amin(1)
+                high[b, :, p] = keys[b, :, mine].amax(1)
+    return low, high, has
+
+
+class QuestPageCache:
+    """Per-page channel-wise min and max of one layer's keys: a `SelectionPolicy` scoring pages.
+
+    Args:
+        sel_heads: selection heads H_sel (Hkv or Hq); selection head s reads KV head
+            ``s * Hkv // H_sel``.
+        kv_heads: KV heads of the layer (the bounds are kept per KV head, never per query head).
+        page_size: columns per page.
+
+    Attributes:
+        low, high: `GrowingBuffer` of ``[B, Hkv, P, d]`` page bounds, in the keys' dtype.
+        shift: ``[B]`` int64, each row's page offset (set by the first append).
+    """
+
+    unit = "pages"  # one scoring scores every page slot (DecodeStats.scored_pages)
+
+    def __init__(self, sel_heads: int, kv_heads: int, page_size: int) -> None:
+        self.sel_heads = sel_heads
+        self.kv_heads = kv_heads
+        self.page_size = page_size
+        self.low = GrowingBuffer()
+        self.high = GrowingBuffer()
+        self.shift: torch.Tensor | None = None
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """Cached columns covered by the pages."""
+        return self._length
+
+    @property
+    def pages(self) -> int:
+        return self.low.length
+
+    def scored_units(self) -> int:
+        """Pages one (row, head) scoring computes now: every page slot P."""
+        return self.pages
+
+    # ---- metadata ---------------------------------------------------------------------------
+    def append(self, new_keys: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Fold new keys ``[B, Hkv, t, d]`` (columns ``[length, length + t)``) into the page bounds.
+
+        Args:
+            valid: ``[B, t]`` bool validity of the new columns (None = all valid); invalid columns
+                are left out of min and max. The first append fixes each row's page offset from its
+                first valid column.
+        """
+        batch, kv_heads, tokens, dim = new_keys.shape
+        if tokens == 0:
+            return
+        size, device = self.page_size, new_keys.device
+        if self.shift is None:
+            first = valid.int().argmax(-1) if valid is not None else torch.zeros(batch, dtype=torch.long,
+                                                                                           device=device)
+            self.shift = (-(self._length + first.long())) % size
+        start, end = self._length, self._length + tokens
+        first_page, last_page = start // size, (end - 1 + size - 1) // size
+        big = torch.finfo(new_keys.dtype).max
+        if pages_for(end, size) > self.pages:  # new page slots start empty: sentinel bounds
+            grow = pages_for(end, size) - self.pages
+            self.low.claim((batch, kv_heads), grow, (dim,), new_keys.dtype, device).fill_(big)
+            self.high.claim((batch, kv_heads), grow, (dim,), new_keys.dtype, device).fill_(-big)
+        low_all, high_all = self.low.view(), self.high.view()
+        chunk = max(1, _APPEND_CHUNK_ELEMENTS // max(1, batch * kv_heads * size * dim))
+        for lo_page in range(first_page, last_page + 1, chunk):
+            hi_page = min(last_page, lo_page + chunk - 1)
+            width = (hi_page - lo_page + 1) * size
+            virtual = lo_page * size + torch.arange(width, device=device)  # page-aligned virtual columns
+            index = virtual[None, :] - self.shift[:, None] - start  # [B, W] position in new_keys
+            inside = (index >= 0) & (index < tokens)
+            index = index.clamp(0, tokens - 1)
+            if valid is not None:
+                inside &= valid.gather(1, index)
+            keys = new_keys.gather(2, index[:, None, :, None].expand(batch, kv_heads, width, dim))
+            inside = inside[:, None, :, None]
+            pages = (batch, kv_heads, hi_page - lo_page + 1, size, dim)
+            low = torch.where(inside, keys, big).reshape(pages).amin(3)
+            high = torch.where(inside, keys, -big).reshape(pages).amax(3)
+            low_slot, high_slot = low_all[:, :, lo_page:hi_page + 1], high_all[:, :, lo_page:hi_page + 1]
+            torch.minimum(low_slot, low, out=low_slot)
+            torch.maximum(high_slot, high, out=high_slot)
+        self._length = end
+
+    # ---- scores -----------------------------------------------------------------------------
+    def page_scores(self, query: torch.Tensor, rows: torch.Tensor | None = None,
+                    heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Quest's upper bound of q . k per page, per selection head.
+
+        Args:
+            query: ``[B, Hq, Q, d]``.
+            rows: ``[B']`` rows to score (None = all).
+            heads: ``[B' or 1, H']`` selection heads to score per row (None = all H_sel).
+
+        Returns:
+            ``[B', H', Q, P]`` fp32 (fp64 for fp64 queries): ``sum_c max(q_c min_c, q_c max_c)``,
+            summed over the query heads of a selection head.
+        """
+        batch, q_heads, steps, dim = query.shape
+        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+        grouped = query.reshape(batch, self.sel_heads, q_heads // self.sel_heads, steps, dim).to(acc)
+        positive, negative = grouped.clamp(min=0).sum(2), grouped.clamp(max=0).sum(2)  # [B, H_sel, Q, d]
+        low, high = self.low.view(), self.high.view()  # [B, Hkv, P, d]
+        if rows is not None:
+            positive, negative = positive.index_select(0, rows), negative.index_select(0, rows)
+            low, high = low.index_select(0, rows), high.index_select(0, rows)
+        kv_of_sel = torch.arange(self.sel_heads, device=query.device) * self.kv_heads // self.sel_heads
+        if heads is None:
+            if self.sel_heads != self.kv_heads:
+                low, high = low.index_select(1, kv_of_sel), high.index_select(1, kv_of_sel)
+        else:
+            count = positive.shape[0]
+            picks = heads.expand(count, -1)
+            row_index = torch.arange(count, device=query.device)[:, None]
+            positive, negative = positive[row_index, picks], negative[row_index, picks]
+            kv = kv_of_sel[picks]
+            low, high = low[row_index, kv], high[row_index, kv]
+        return positive @ high.to(acc).transpose(-1, -2) + negative @ low.to(acc).transpose(-1, -2)
+
+    def token_keys(self, page_scores: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Ranking keys of every cached column from its page's score (whole pages, see the module).
+
+        Args:
+            page_scores: ``[B', H', ..., P]``.
+            rows: ``[B']`` the rows they belong to (None = all).
+
+        Returns:
+            ``[B', H', ..., n]`` float keys, larger = selected first: ``(P - rank(page)) *
+            page_size - offset in page``, rank by score (descending, ties to the earlier page).
+        """
+        size, pages, n = self.page_size, page_scores.shape[-1], self._length
+        device = page_scores.device
+        order = page_scores.argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order)
+        rank.scatter_(-1, order, torch.arange(pages, device=device).expand_as(order))
+        shift = self.shift if rows is None else self.shift.index_select(0, rows)
+        virtual = torch.arange(n, device=device)[None, :] + shift[:, None]  # [B', n]
+        lead = page_scores.shape[:-1]
+        view = (lead[0],) + (1,) * (len(lead) - 1) + (n,)
+        page_of = (virtual // size).reshape(view).expand(*lead, n)
+        keys = (pages - rank.gather(-1, page_of)) * size - (virtual % size).reshape(view)
+        dtype = torch.float32 if pages * size < 2**24 else torch.float64  # exact integers
+        return keys.to(dtype)
+
+    def prefill_scores(self, query: torch.Tensor) -> torch.Tensor:
+        """Ranking keys ``[B, H_sel, Q, n]`` of every cached column for Q query rows ``[B, Hq, Q, d]``."""
+        return self.token_keys(self.page_scores(query))
+
+    def decode_scores(self, query: torch.Tensor, rows: torch.Tensor | None = None,
+                      heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Ranking keys ``[B', H', n]`` for the decode query ``[B, Hq, d]`` of some rows and heads."""
+        return self.token_keys(self.page_scores(query[:, :, None], rows, heads)[:, :, 0], rows)
+
+    # ---- cache bookkeeping ------------------------------------------------------------------
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.low.select_rows(rows)
+        self.high.select_rows(rows)
+        if self.shift is not None:
+            self.shift = self.shift.index_select(0, rows.to(self.shift.device))
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` columns. Pages past them are dropped; the bounds of a page cut in
+        the middle still include the removed keys (a looser, still valid, upper bound: the keys
+        are not kept here to recompute it)."""
+        self._length = max(0, min(self._length, length))
+        self.low.crop(pages_for(self._length, self.page_size))
+        self.high.crop(pages_for(self._length, self.page_size))
+
+    def nbytes(self) -> int:
+        """Bytes of the page bounds (min and max per page, KV head and channel)."""
+        return self.low.nbytes() + self.high.nbytes()

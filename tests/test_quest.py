@@ -1,0 +1,272 @@
+"""The Quest selection policy: page bounds, page scores, whole-page selection, generate, sharing."""
+
+import pytest
+import torch
+
+import hshare
+from hshare.config import ConfigError, HShareConfig
+from hshare.policy import SelectionPolicy
+from hshare.quest import QuestPageCache, page_bounds_reference, pages_for
+from hshare.selection import NO_TOKEN, select_heavy
+
+from conftest import greedy, left_padded, tiny_llama
+
+SMALL = dict(sink=2, local=4, heavy=8, page_size=4)  # N_c = 14: two whole pages of heavy tokens
+WIDE = dict(sink=2, local=4, heavy=400)
+
+
+def random_keys(lengths, decoded=0, kv_heads=2, dim=8, dtype=torch.float64, seed=0):
+    """Left-padded random keys ``[B, Hkv, n, d]`` (pads hold garbage) of prompts of `lengths`, then
+    `decoded` valid columns, and their validity ``[B, n]``."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    keys = torch.randn(len(lengths), kv_heads, width + decoded, dim, generator=gen, dtype=dtype) * 3
+    valid = torch.ones(len(lengths), width + decoded, dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        valid[row, :width - length] = False
+    return keys, valid
+
+
+def filled_cache(keys, valid, sel_heads, page_size, prompt=None, chunk=1):
+    """A `QuestPageCache` fed a prefill of the first `prompt` columns (None = all, with validity),
+    then the rest `chunk` columns at a time without validity (decode appends: all valid)."""
+    cache = QuestPageCache(sel_heads, keys.shape[1], page_size)
+    prompt = keys.shape[2] if prompt is None else prompt
+    cache.append(keys[:, :, :prompt], valid[:, :prompt])
+    for column in range(prompt, keys.shape[2], chunk):
+        cache.append(keys[:, :, column:column + chunk])
+    return cache
+
+
+def brute_page_scores(query, keys, valid, page_size, sel_heads):
+    """``[B, H_sel, Q, P]`` sum over the selection head's query heads and channels of
+    max(q_c min_c, q_c max_c); pages without keys get None-like NaN."""
+    low, high, has = page_bounds_reference(keys, valid, page_size)
+    batch, q_heads, steps, _ = query.shape
+    kv_heads = keys.shape[1]
+    per_sel = q_heads // sel_heads
+    out = torch.full((batch, sel_heads, steps, low.shape[2]), float("nan"), dtype=torch.float64)
+    for b in range(batch):
+        for s in range(sel_heads):
+            kv = s * kv_heads // sel_heads
+            for p in range(low.shape[2]):
+                if not has[b, p]:
+                    continue
+                for t in range(steps):
+                    total = 0.0
+                    for h in range(s * per_sel, (s + 1) * per_sel):
+                        q = query[b, h, t]
+                        total += torch.maximum(q * low[b, kv, p], q * high[b, kv, p]).sum().item()
+                    out[b, s, t, p] = total
+    return out, has
+
+
+@pytest.mark.parametrize("page_size", [4, 5, 1])
+@pytest.mark.parametrize("decoded,chunk", [(0, 1), (9, 1), (9, 4)])
+def test_page_bounds_match_brute_force(page_size, decoded, chunk):
+    """Left padding, GQA, a partial last page, and pages completed by decode appends."""
+    keys, valid = random_keys([23, 11, 17, 1], decoded)
+    cache = filled_cache(keys, valid, 2, page_size, prompt=23, chunk=chunk)
+    low, high, has = page_bounds_reference(keys, valid, page_size)
+    n = 23 + decoded
+    assert cache.pages == low.shape[2] == pages_for(n, page_size) and cache.length == n
+    has = has[:, None, :, None].expand_as(low)
+    assert torch.equal(cache.low.view()[has], low[has]) and torch.equal(cache.high.view()[has], high[has])
+    big = torch.finfo(keys.dtype).max  # pages of padding only: sentinels
+    assert bool((cache.low.view()[~has] == big).all()) and bool((cache.high.view()[~has] == -big).all())
+
+
+def test_padded_row_is_paged_as_the_row_alone():
+    keys, valid = random_keys([19, 6], decoded=5, seed=3)
+    cache = filled_cache(keys, valid, 2, 4, prompt=19)
+    alone = filled_cache(keys[1:, :, 13:], valid[1:, 13:], 2, 4, prompt=6)
+    assert cache.shift.tolist() == [0, 3] and alone.shift.tolist() == [0]  # row 1 starts at column 13
+    for bounds, alone_bounds in ((cache.low, alone.low), (cache.high, alone.high)):  # 11 tokens: 3 pages
+        assert torch.equal(bounds.view()[1, :, 4:7], alone_bounds.view()[0, :, :3])
+
+
+def check_page_scores(cache, query, keys, valid, sel_heads):
+    """The cache's page scores, all rows and heads and chosen subsets, against brute force."""
+    expected, has = brute_page_scores(query, keys, valid, cache.page_size, sel_heads)
+    got = cache.page_scores(query)
+    mask = has[:, None, None, :].expand_as(got)
+    if not torch.allclose(got[mask], expected[mask], rtol=1e-9, atol=1e-9):
+        return False
+    rows, heads = torch.tensor([2, 0]), torch.tensor([[sel_heads - 1, 0]])
+    subset = cache.page_scores(query[:, :, :1], rows=rows, heads=heads)  # [2, 2, 1, P]
+    reference = got[:, :, :1][rows[:, None], heads.expand(2, -1)]
+    return torch.allclose(subset, reference, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("selection", ["kv_head", "query_head"])
+@pytest.mark.parametrize("kv_heads,q_heads", [(2, 4), (4, 4)])
+def test_page_scores_match_brute_force(selection, kv_heads, q_heads):
+    keys, valid = random_keys([21, 9, 14], decoded=6, kv_heads=kv_heads)
+    sel_heads = kv_heads if selection == "kv_head" else q_heads
+    cache = filled_cache(keys, valid, sel_heads, 4, prompt=21)
+    query = torch.randn(3, q_heads, 2, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    assert check_page_scores(cache, query, keys, valid, sel_heads)
+
+
+def test_swapping_min_and_max_is_caught():
+    """Mutation check: a cache whose min and max are swapped fails the page-score check."""
+    keys, valid = random_keys([21, 9, 14])
+    cache = filled_cache(keys, valid, 2, 4)
+    query = torch.randn(3, 4, 2, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    assert check_page_scores(cache, query, keys, valid, 2)
+    cache.low, cache.high = cache.high, cache.low
+    assert not check_page_scores(cache, query, keys, valid, 2)
+
+
+def test_the_heavy_budget_takes_whole_best_pages():
+    """Top-`heavy` of the middle window by the policy's token scores = the middle tokens of the
+    best pages (by brute-force page score), page after page, the last one cut."""
+    page_size, heavy = 4, 10
+    keys, valid = random_keys([30, 22], seed=5)
+    cache = filled_cache(keys, valid, 2, page_size)
+    query = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    scores, has = brute_page_scores(query[:, :, None], keys, valid, page_size, 2)
+    # a middle window that cuts pages: sink of 3 tokens, local of 5
+    rank = valid.long().cumsum(-1) - 1
+    middle = valid & (rank >= 3) & (rank < valid.sum(-1, keepdim=True) - 5)
+    chosen = select_heavy(cache.decode_scores(query), middle[:, None], heavy)  # [B, H, heavy]
+    for b in range(2):
+        column_page = (torch.arange(30) + cache.shift[b]) // page_size
+        for h in range(2):
+            got = sorted(chosen[b, h].tolist())
+            assert NO_TOKEN not in got and all(bool(middle[b, c]) for c in got)
+            page_score = scores[b, h, 0]
+            pages = sorted((p for p in range(len(page_score)) if bool(middle[b][column_page == p].any())),
+                           key=lambda p: (-page_score[p].item(), p))
+            expected = []
+            for p in pages:
+                expected += [c for c in range(30) if column_page[c] == p and bool(middle[b, c])]
+            assert got == sorted(expected[:heavy]), (b, h)
+
+
+def test_quest_is_a_selection_policy():
+    assert isinstance(QuestPageCache(2, 2, 16), SelectionPolicy)
+    assert HShareConfig.from_preset("quest").policy == "quest"
+    big, shared = HShareConfig.from_preset("quest@512"), HShareConfig.from_preset("quest-1_2-1_2-1_2")
+    assert (big.sink, big.local, big.heavy, big.page_size) == (16, 64, 432, 16)
+    assert (shared.layer_sharing, shared.head_sharing, shared.query_group, shared.budget) == (0.5, 0.5, 2, 128)
+    with pytest.raises(ConfigError, match="policy.*accepted: 'labels', 'quest'"):
+        HShareConfig(policy="h2o")
+    with pytest.raises(ConfigError, match="page_size.*accepted"):
+        HShareConfig(policy="quest", page_size=0)
+
+
+def generate_with_logits(model, ids, mask, new_tokens=10, **kwargs):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("preset", ["quest", "quest-1_2-1_2-1_2"])
+@pytest.mark.parametrize("selection", ["kv_head", "query_head"])
+def test_budget_covering_context_equals_dense(llama, preset, selection):
+    ids, mask = left_padded([37, 20, 29])
+    ref_tokens, ref_logits = generate_with_logits(llama, ids, mask)
+    with hshare.patched(llama, preset, selection=selection, **WIDE):
+        tokens, logits = generate_with_logits(llama, ids, mask)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits)
+
+
+@pytest.mark.parametrize("selection", ["kv_head", "query_head"])
+def test_selected_columns_are_whole_pages_in_the_middle_never_padding(selection):
+    model = tiny_llama()
+    ids, mask = left_padded([45, 30, 52], torch.Generator().manual_seed(4))
+    dense = greedy(model, ids, mask, new_tokens=8)
+    with hshare.patched(model, "quest", selection=selection, **SMALL):
+        cache = hshare.new_cache(model)
+        sparse = greedy(model, ids, mask, new_tokens=8, past_key_values=cache)
+    windows = cache.state.windows  # the last step selected (query groups of 1): its middle window
+    for layer in cache.layers:
+        heavy, shift = layer.heavy, layer.policy.shift
+        assert heavy.shape == (3, cache.sel_heads, 8) and bool((heavy >= 0).all())
+        for b in range(3):
+            middle = windows.middle[b]
+            page_of = (torch.arange(middle.shape[0]) + shift[b]) // 4
+            for h in range(cache.sel_heads):
+                picked = heavy[b, h]
+                assert bool(windows.valid[b, picked].all()) and bool(middle[picked].all())
+                partial = 0
+                for page in page_of[picked].unique():
+                    in_middle = int((middle & (page_of == page)).sum())
+                    taken = int((page_of[picked] == page).sum())
+                    partial += taken < in_middle
+                assert partial <= 1, "more than one page taken in part"
+    assert cache.stats.sparse_steps == 7 and cache.stats.scored_pages > 0
+    assert not torch.equal(sparse, dense), "14 of ~50 tokens should change the greedy output"
+
+
+@pytest.mark.parametrize("preset,overrides", [
+    ("quest-1_2-1_2-1_2", {"plan_scope": "sample"}),  # a per-batch plan depends on the batch by design
+    ("quest-1_2-1_2-1_2", {"plan_scope": "sample", "selection": "query_head"}),
+    ("quest", {"page_size": 3}),
+])
+def test_padded_rows_equal_rows_alone(preset, overrides):
+    """Pages start at each row's first valid token: a row's tokens never depend on its batch mates."""
+    model = tiny_llama(dtype=torch.float64)
+    lengths = [30, 45, 11, 38]
+    ids, mask = left_padded(lengths)
+    with hshare.patched(model, preset, **{**SMALL, **overrides}):
+        batch = greedy(model, ids, mask, new_tokens=12)
+        width = ids.shape[1]
+        for row, length in enumerate(lengths):
+            alone = greedy(model, ids[row:row + 1, width - length:], mask[row:row + 1, width - length:],
+                           new_tokens=12)
+            assert torch.equal(alone[0, length:], batch[row, width:]), f"row {row} differs"
+
+
+@pytest.mark.parametrize("selection,heads_scored", [("kv_head", 1), ("query_head", 2)])
+def test_sharing_plans_work_with_quest(selection, heads_scored):
+    model = tiny_llama()  # 4 layers, 4 query heads, 2 KV heads
+    ids, mask = left_padded([40, 33, 50])
+    with hshare.patched(model, "quest-1_2-1_2-1_2", selection=selection, **SMALL):
+        cache = hshare.new_cache(model)
+        out = greedy(model, ids, mask, new_tokens=10, past_key_values=cache)
+    stats = cache.stats
+    assert stats.plans == 1 and stats.selection_steps == 5
+    assert stats.score_computations == 5 * 2 * heads_scored * 3  # half the layers, half the heads
+    copies = [layer for layer in cache.sparse_layers if int(cache.state.plan.layer_source[0, layer]) != layer]
+    assert len(copies) == 2
+    for layer in copies:  # a copying layer attends its source's pages
+        source = int(cache.state.plan.layer_source[0, layer])
+        assert torch.equal(cache.layers[layer].heavy, cache.layers[source].heavy)
+    assert out.shape == (3, ids.shape[1] + 10)
+
+
+def test_beam_search_and_label_bytes():
+    model = tiny_llama()
+    ids, mask = left_padded([36, 24])
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, **kwargs)
+    with hshare.patched(model, "quest", **WIDE):
+        assert torch.equal(model.generate(ids, **kwargs), ref)
+    with hshare.patched(model, "quest", **SMALL):
+        cache = hshare.new_cache(model)
+        greedy(model, ids, mask, new_tokens=5, past_key_values=cache)
+    tokens = 36 + 4
+    pages = pages_for(tokens, 4)
+    assert cache.label_bytes() == 4 * 2 * (2 * 2 * pages * 16 * 4)  # layers x (min, max) x rows x Hkv x P x d x fp32
+
+
+def test_quest_under_triton_dispatch(monkeypatch):
+    """With the Triton kernels (CUDA, or the interpreter on CPU), Quest runs its torch path beside
+    the critical-indices and gather kernels; the label kernels are never called."""
+    import hshare.labels
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a label kernel was called for Quest")
+
+    monkeypatch.setattr(hshare.labels, "score_heads", refuse)
+    monkeypatch.setattr(hshare.labels, "append_labels", refuse)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_llama().to(device)
+    ids, mask = (t.to(device) for t in left_padded([30, 21]))
+    with hshare.patched(model, "quest", dense_fallback_mib=0, **SMALL):
+        monkeypatch.setenv("HSHARE_KERNELS", "torch")
+        reference = greedy(model, ids, mask, new_tokens=4)
+        monkeypatch.setenv("HSHARE_KERNELS", "triton")
+        assert torch.equal(greedy(model, ids, mask, new_tokens=4), reference)
