@@ -23,4 +23,4 @@ case "$1" in
     hshare sweep --configs ablation --tasks longbench_multi_news --limit ${LIMIT:-64} --batch-size 64 \
       --dtype float32 --device cuda --data-dir $D --out $RES/ablation 2>&1 | grep -v "it/s\|s/it" | tail -30 ;;
 esac
-tar czf $OUT/res.tgz -C /tmp res --exclude='*/tasks/*'
+tar czf $OUT/res.tgz --exclude='*/tasks/*' -C /tmp res

@@ -206,6 +206,8 @@ def add_sweep_parser(subparsers) -> None:
                        help="keep each config's dense fallback of small steps (default off)")
     sweep.add_argument("--log-samples", action="store_true", help="keep per-document outputs in the run files")
     sweep.add_argument("--out", default="sweep-results", help="output directory (default sweep-results)")
+    sweep.add_argument("--report", action="store_true",
+                       help="only rebuild the table and plot from the finished runs in --out (no model)")
     sweep.set_defaults(run=main_sweep)
 
 
@@ -229,6 +231,12 @@ def main_sweep(args: argparse.Namespace) -> int:
         raise SystemExit(f"hshare sweep: no tasks; pass --tasks or list them under 'tasks:' in {spec.source}")
     out_dir = Path(args.out)
     limit = _limit(args.limit)
+    if args.report:
+        records = [json.loads(run_path(out_dir, e).read_text()) for e in spec.entries if run_path(out_dir, e).is_file()]
+        if not records:
+            raise SystemExit(f"hshare sweep --report: no finished runs under {out_dir / RUNS}")
+        return _report(records, out_dir, {"sweep": spec.source, "tasks": tasks, "runs": len(records),
+                                          "of": len(spec.entries)})
     model, tokenizer = load_model(args.model, args.gguf_file, args.dtype, args.device)
     gen_kwargs = args.gen_kwargs
     meta = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "dtype": str(model.dtype),
@@ -252,6 +260,10 @@ def main_sweep(args: argparse.Namespace) -> int:
         records = run_sweep(spec, evaluate_one, out_dir, tasks, limit,
                             {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                              "model": meta["model"], "device": meta["device"]}, progress)
+    return _report(records, out_dir, meta)
+
+
+def _report(records: list[dict[str, Any]], out_dir: Path, meta: dict[str, Any]) -> int:
     rows = summarize(records)
     written = write_tables(rows, out_dir, meta)
     png = plot_sweep(rows, out_dir / "sweep.png")

@@ -90,7 +90,8 @@ class HShareConfig:
             chosen from the middle window extended by the a - 1 tokens that will leave the local
             window before the next selection. False = the paper's code: a reuse step's local
             window has moved on, and the tokens that left it were never candidates, so nobody
-            attends them until the next selection. Same work either way.
+            attends them until the next selection. Same work either way; measured neutral on
+            SmolLM2 (fidelity KL at 2k and 8k within 2%, eval/RESULTS.md), so off by default.
         dense_layers: layers kept dense at decode (not sparse, not in the layer plan).
         policy: the selection policy (`hshare.policy`): what metadata a sparse layer keeps and how it
             scores tokens. "labels" (DoubleSparse / HShare: label cache of heavy channels) or "quest"
@@ -143,7 +144,7 @@ class HShareConfig:
     layer_sharing: float = 1.0
     head_sharing: float = 1.0
     query_sharing: float = 1.0
-    group_lookahead: bool = True
+    group_lookahead: bool = False
     dense_layers: tuple[int, ...] = ()
     policy: str = "labels"
     page_size: int = 16

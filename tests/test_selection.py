@@ -68,6 +68,23 @@ def test_row_windows_hand_example():
     assert w.critical_indices(heavy).tolist() == [[[3, 4, 7, 5, 9, 10, 11]], [[0, 1, 6, NO_TOKEN, 9, 10, 11]]]
 
 
+def test_lookahead_widens_the_selectable_window_into_the_leaving_local_tokens():
+    valid = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+                          [1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    w = RowWindows.build(valid, sink=2, local=3, budget=7, lookahead=1)  # a query group of 2 steps
+    assert w.middle[0].nonzero().flatten().tolist() == [5, 6, 7, 8]  # attention windows unchanged
+    assert w.selectable[0].nonzero().flatten().tolist() == [5, 6, 7, 8, 9]  # + the token leaving local next
+    assert w.selectable[1].nonzero().flatten().tolist() == [2, 3, 6, 7, 8, 9]
+    wide = RowWindows.build(valid, sink=2, local=3, budget=7, lookahead=5)  # never the current token
+    assert wide.selectable[0].nonzero().flatten().tolist() == [5, 6, 7, 8, 9, 10]
+    assert torch.equal(RowWindows.build(valid, 2, 3, 7).selectable, w.middle)
+    # at the next (reuse) step the token picked from the old local window is in the middle: kept
+    step2 = torch.cat((valid, torch.ones(2, 1, dtype=torch.bool)), dim=1)
+    w2 = RowWindows.build(step2, sink=2, local=3, budget=7)
+    assert w2.critical_indices(torch.tensor([[[9, 5]], [[9, 6]]])).tolist() == [[[3, 4, 9, 5, 10, 11, 12]],
+                                                                             [[0, 1, 9, 6, 10, 11, 12]]]
+
+
 def test_short_rows_attend_to_every_valid_token():
     valid = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
     w = RowWindows.build(valid, sink=1, local=1, budget=6)
