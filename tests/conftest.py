@@ -44,6 +44,27 @@ def left_padded(lengths: list[int], generator: torch.Generator | None = None):
     return ids, mask
 
 
+def left_pad(prompts):
+    """Left-pad 1-D token tensors into one batch: (input_ids, attention_mask)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = prompt
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def assert_rows_equal_alone(model, ids, mask, lengths, new_tokens: int) -> None:
+    """Greedy on the left-padded batch gives each row the tokens it gets alone (unpadded)."""
+    batch = greedy(model, ids, mask, new_tokens=new_tokens)
+    width = ids.shape[1]
+    for row, length in enumerate(lengths):
+        alone = greedy(model, ids[row:row + 1, width - length:], mask[row:row + 1, width - length:],
+                       new_tokens=new_tokens)
+        assert torch.equal(alone[0, length:], batch[row, width:]), f"row {row} differs"
+
+
 def greedy(model, ids, mask, new_tokens: int = 12, **kwargs):
     return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                           do_sample=False, pad_token_id=0, **kwargs)

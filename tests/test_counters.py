@@ -10,7 +10,7 @@ import hshare.attention as attention_module
 from hshare.quest import pages_for
 from hshare.selection import valid_columns_from_mask
 
-from conftest import greedy, left_padded, tiny_llama, tiny_mistral
+from conftest import greedy, left_pad, left_padded, tiny_llama, tiny_mistral
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12
 LENGTHS = [40, 27, 51]
@@ -138,12 +138,7 @@ def prefix_prompts(suffixes, groups=None, seed=0):
         suffix[0] = 3 + row  # rows differ right after what they share
         parts = [common] + ([extra[groups[row]]] if groups else []) + [suffix]
         prompts.append(torch.cat(parts))
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = prompt
-        mask[row, width - len(prompt):] = 1
+    ids, mask = left_pad(prompts)
     return ids, mask, [len(p) for p in prompts]
 
 

@@ -6,7 +6,7 @@ import torch
 import hshare
 from hshare.selection import NO_TOKEN
 
-from conftest import greedy, left_padded, tiny_llama, tiny_mistral
+from conftest import assert_rows_equal_alone, greedy, left_padded, tiny_llama, tiny_mistral
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12, far below the prompts used here
 WIDE = dict(sink=2, local=4, heavy=400)  # N_c above every context here
@@ -41,12 +41,7 @@ def test_padded_rows_equal_rows_alone(preset, overrides):
     ids, mask = left_padded(lengths)
     config = {**SMALL, **overrides} if preset != "streaming" else overrides
     with hshare.patched(model, preset, **config):
-        batch = greedy(model, ids, mask, new_tokens=14)
-        width = ids.shape[1]
-        for row, length in enumerate(lengths):
-            alone = greedy(model, ids[row:row + 1, width - length:], mask[row:row + 1, width - length:],
-                           new_tokens=14)
-            assert torch.equal(alone[0, length:], batch[row, width:]), f"row {row} differs"
+        assert_rows_equal_alone(model, ids, mask, lengths, new_tokens=14)
 
 
 def test_sparse_decoding_is_really_sparse():

@@ -7,21 +7,12 @@ import hshare
 from hshare.prefix import build_layout, detect_shared_prefix
 from hshare.selection import NO_TOKEN
 
-from conftest import VOCAB, tiny_llama, tiny_mistral
+from conftest import VOCAB, left_pad, tiny_llama, tiny_mistral
 
 
 def tokens(n, generator=None):
     return torch.randint(3, VOCAB, (n,), generator=generator)
 
-
-def left_pad(prompts):
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = prompt
-        mask[row, width - len(prompt):] = 1
-    return ids, mask
 
 
 def run(model, ids, mask, new_tokens=8, cache=None, **kwargs):

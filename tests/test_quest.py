@@ -9,7 +9,7 @@ from hshare.policy import SelectionPolicy
 from hshare.quest import QuestPageCache, page_bounds_reference, pages_for
 from hshare.selection import NO_TOKEN, select_heavy
 
-from conftest import greedy, left_padded, tiny_llama
+from conftest import assert_rows_equal_alone, greedy, left_padded, tiny_llama
 
 SMALL = dict(sink=2, local=4, heavy=8, page_size=4)  # N_c = 14: two whole pages of heavy tokens
 WIDE = dict(sink=2, local=4, heavy=400)
@@ -211,12 +211,7 @@ def test_padded_rows_equal_rows_alone(preset, overrides):
     lengths = [30, 45, 11, 38]
     ids, mask = left_padded(lengths)
     with hshare.patched(model, preset, **{**SMALL, **overrides}):
-        batch = greedy(model, ids, mask, new_tokens=12)
-        width = ids.shape[1]
-        for row, length in enumerate(lengths):
-            alone = greedy(model, ids[row:row + 1, width - length:], mask[row:row + 1, width - length:],
-                           new_tokens=12)
-            assert torch.equal(alone[0, length:], batch[row, width:]), f"row {row} differs"
+        assert_rows_equal_alone(model, ids, mask, lengths, new_tokens=12)
 
 
 @pytest.mark.parametrize("selection,heads_scored", [("kv_head", 1), ("query_head", 2)])
