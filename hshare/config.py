@@ -274,19 +274,13 @@ class HShareConfig:
 
     def replace(self, **changes: Any) -> "HShareConfig":
         """A copy with some fields changed (validated); unknown field names raise `ConfigError`."""
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise ConfigError(f"unknown HShareConfig field(s) {unknown}; accepted fields: {sorted(known - {'name'})}")
+        _check_field_names(changes)
         return dataclasses.replace(self, **changes)
 
     # ---- loading ------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any], name: str = "custom") -> "HShareConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown HShareConfig field(s) {unknown}; accepted fields: {sorted(known - {'name'})}")
+        _check_field_names(data)
         data = dict(data)
         if "dense_layers" in data and isinstance(data["dense_layers"], list):
             data["dense_layers"] = tuple(data["dense_layers"])
@@ -308,6 +302,18 @@ class HShareConfig:
         if not path.is_file():
             raise ConfigError(f"unknown preset {name!r}; accepted: {', '.join(preset_names())} (or a YAML path)")
         return cls.from_yaml(path)
+
+
+def _check_field_names(names) -> None:
+    """Raise `ConfigError` for names that are not `HShareConfig` fields, suggesting the closest."""
+    import difflib
+
+    known = sorted(f.name for f in dataclasses.fields(HShareConfig))
+    for name in sorted(set(names) - set(known)):
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"unknown HShareConfig field {name!r}; {hint}accepted fields: "
+                          f"{', '.join(k for k in known if k != 'name')}")
 
 
 def preset_dir() -> Path:

@@ -75,3 +75,12 @@ def test_unsupported_model_names_supported_types():
         hshare.patch(model)
     with pytest.raises(hshare.UnsupportedModelError):
         hshare.patch(torch.nn.Linear(2, 2))
+
+
+def test_misspelt_field_names_the_closest_accepted_field():
+    with pytest.raises(ConfigError, match="unknown HShareConfig field 'heavyy'; did you mean 'heavy'"):
+        hshare.HShareConfig.from_preset("ds").replace(heavyy=10)
+    with pytest.raises(ConfigError, match="did you mean 'query_sharing'"):
+        hshare.HShareConfig.from_dict({"query_shareing": 0.5})
+    with pytest.raises(ConfigError, match="unknown HShareConfig field 'zzz'; accepted fields: dense_fallback_mib"):
+        hshare.HShareConfig().replace(zzz=1)

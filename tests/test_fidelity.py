@@ -118,7 +118,7 @@ def test_measure_checks_before_any_work(model):
         measure_fidelity(model, TEXT, None, [1001], ["dense"], steps=24)
     with pytest.raises(ValueError, match=r"text has 400 tokens: too short"):
         measure_fidelity(model, TEXT, None, [300], ["dense"], windows=200, steps=4)
-    with pytest.raises(hshare.ConfigError, match=r"unknown HShareConfig field\(s\) \['heavvy'\]"):
+    with pytest.raises(hshare.ConfigError, match="unknown HShareConfig field 'heavvy'; did you mean 'heavy'"):
         measure_fidelity(model, TEXT, None, [32], ["dense"], overrides={"heavvy": 3})
     with pytest.raises(hshare.ConfigError, match="unknown preset"):
         measure_fidelity(model, TEXT, None, [32], ["nope"])
