@@ -246,14 +246,13 @@ def config_label(config) -> str:
 def _resolve_configs(configs: Sequence, overrides: dict[str, Any]) -> list[tuple[str, Any]]:
     """``[(label, HShareConfig)]`` with dense fallback off unless `overrides` sets it; resolved
     before any work so that a bad name or field fails at once."""
-    from hshare.config import resolve_config
+    from hshare.eval.harness import evaluation_config
 
     if not configs:
         raise ValueError("no configs to measure; accepted: preset names, YAML paths or HShareConfig objects")
-    overrides = {"dense_fallback_mib": 0, **overrides}  # unknown fields: ConfigError from resolve_config
     if isinstance(overrides.get("dense_layers"), list):
         overrides["dense_layers"] = tuple(overrides["dense_layers"])
-    return [(config_label(c), resolve_config(c, **overrides)) for c in configs]
+    return [(config_label(c), evaluation_config(c, overrides)) for c in configs]  # unknown fields: ConfigError
 
 
 def _check_lengths(model, lengths: Sequence[int], steps: int) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hshare.config import HShareConfig
+from hshare.config import HShareConfig, resolve_config
 
 
 @dataclass
@@ -49,6 +49,17 @@ class EvalResult:
         if self.samples is None:
             data.pop("samples")
         return data
+
+
+def evaluation_config(config: HShareConfig | str | None, overrides: dict[str, Any] | None = None,
+                      dense_fallback: bool = False) -> HShareConfig:
+    """The config an evaluation (``eval``, ``sweep``, ``fidelity``) runs: `config` (None = the
+    default preset) with `overrides`, and the dense fallback of small steps off unless
+    `dense_fallback` or the overrides set it: evaluation measures the algorithm."""
+    overrides = dict(overrides or {})
+    if not dense_fallback:
+        overrides.setdefault("dense_fallback_mib", 0.0)
+    return resolve_config(config, **overrides)
 
 
 def task_scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:

@@ -32,10 +32,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from hshare.api import new_cache, patch, patch_state, unpatch
-from hshare.config import ConfigError, HShareConfig, resolve_config
+from hshare.config import ConfigError, HShareConfig
+from hshare.eval.harness import evaluation_config
 
 OVERRIDE_PREFIX = "hshare_"
-DEFAULT_CONFIG = "hshare-1_2-1_2-1_2"
 
 
 @dataclass
@@ -78,15 +78,6 @@ def parse_overrides(model_args: dict[str, Any]) -> dict[str, Any]:
     return overrides
 
 
-def evaluation_config(config: HShareConfig | str | None, overrides: dict[str, Any] | None = None,
-                      dense_fallback: bool = False) -> HShareConfig:
-    """The config an evaluation runs: `config` with `overrides`, dense fallback off unless asked."""
-    overrides = dict(overrides or {})
-    if not dense_fallback:
-        overrides.setdefault("dense_fallback_mib", 0.0)
-    return resolve_config(config or DEFAULT_CONFIG, **overrides)
-
-
 @register_model("hshare")
 class HShareLM(HFLM):
     """lm-eval's HF model, patched with HShare (see the module docstring for ``model_args``).
@@ -104,15 +95,11 @@ class HShareLM(HFLM):
                  dense_fallback: bool = False, **kwargs: Any) -> None:
         overrides = parse_overrides(kwargs)
         self.hshare_config = evaluation_config(hshare, overrides, dense_fallback)  # validated before loading
-        if pretrained is None:
-            from hshare.default_model import load_default_model
+        if pretrained is None:  # the embedded model, float32 unless a dtype is given
+            from hshare.default_model import load_model, torch_dtype
 
-            if kwargs.get("gguf_file"):
-                raise ValueError("model_args gguf_file needs pretrained=<the directory or hub id holding it>")
-            dtype = kwargs.pop("dtype", "auto")
-            model, tokenizer = load_default_model(torch.float32 if dtype in (None, "auto") else _torch_dtype(dtype))
-            device = kwargs.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
-            pretrained = model.to(device)
+            dtype = torch_dtype(kwargs.pop("dtype", "auto"), torch.float32)
+            pretrained, tokenizer = load_model(None, kwargs.pop("gguf_file", None), dtype, kwargs.pop("device", None))
             kwargs.setdefault("tokenizer", tokenizer)
         super().__init__(pretrained=pretrained, **kwargs)
         self.work = WorkTotals()
@@ -131,11 +118,3 @@ class HShareLM(HFLM):
         """Restore the wrapped model (e.g. before patching it with another config)."""
         unpatch(self._model)
 
-
-def _torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"model_args dtype={name!r} is not a torch dtype; accepted: auto, float32, float16, bfloat16")
-    return dtype

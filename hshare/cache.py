@@ -33,8 +33,7 @@ class HShareLayer(CacheLayerMixin):
 
     Attributes:
         policy: the layer's selection-policy metadata (`hshare.policy.SelectionPolicy`: a
-            `LabelCache` or a `QuestPageCache`; sparse layers, after prefill). ``labels`` is the
-            same object (the name it had when labels were the only policy).
+            `LabelCache` or a `QuestPageCache`; sparse layers, after prefill).
         heavy: ``[B, H_sel, heavy]`` heavy columns of the last selection (query groups reuse them).
         keep: ``[B, H_sel, W, heavy]`` prefill keep-sets, the planner's evidence (until planned).
         prefix_width: columns held by the cache's shared-prefix store before this layer's own
@@ -53,10 +52,6 @@ class HShareLayer(CacheLayerMixin):
         self.heavy: torch.Tensor | None = None
         self.keep: torch.Tensor | None = None
         self.prefix_width = 0
-
-    @property
-    def labels(self) -> SelectionPolicy | None:
-        return self.policy
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device

@@ -76,12 +76,7 @@ def load_model(pretrained: str | None = None, gguf_file: str | None = None, dtyp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    elif isinstance(dtype, str):
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ValueError(f"dtype {dtype!r} is not a torch dtype; accepted: auto, float32, float16, bfloat16")
-        dtype = getattr(torch, dtype)
+    dtype = torch_dtype(dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     if pretrained is None:
         if gguf_file is not None:
             raise ValueError("gguf_file needs pretrained=<the directory or hub id holding it>")
@@ -94,3 +89,15 @@ def load_model(pretrained: str | None = None, gguf_file: str | None = None, dtyp
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
     return model.to(device), tokenizer
+
+
+def torch_dtype(name: str | torch.dtype | None, auto: torch.dtype) -> torch.dtype:
+    """A torch dtype from its name (``"bfloat16"``) or itself; ``"auto"`` or None -> `auto`."""
+    if name in (None, "auto"):
+        return auto
+    if isinstance(name, torch.dtype):
+        return name
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype {name!r} is not a torch dtype; accepted: auto, float32, float16, bfloat16")
+    return dtype

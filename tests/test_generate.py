@@ -85,7 +85,7 @@ def test_dense_layers_are_not_scored_and_are_exact():
     cache = hshare.new_cache(model)
     greedy(model, ids, mask, new_tokens=6, past_key_values=cache)
     assert cache.stats.score_computations == 5 * 2 * 2 * 2
-    assert cache.layers[0].labels is None and cache.layers[1].labels is not None
+    assert cache.layers[0].policy is None and cache.layers[1].policy is not None
 
 
 def test_plain_forward_is_exact_dense(llama):
