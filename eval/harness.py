@@ -54,12 +54,13 @@ class EvalResult:
 def evaluation_config(config: HShareConfig | str | None, overrides: dict[str, Any] | None = None,
                       dense_fallback: bool = False) -> HShareConfig:
     """The config an evaluation (``eval``, ``sweep``, ``fidelity``) runs: `config` (None = the
-    default preset) with `overrides`, and the dense fallback of small steps off unless
-    `dense_fallback` or the overrides set it: evaluation measures the algorithm."""
-    overrides = dict(overrides or {})
-    if not dense_fallback:
-        overrides.setdefault("dense_fallback_mib", 0.0)
-    return resolve_config(config, **overrides)
+    default preset) with `overrides`; where the config leaves the dense fallback of small steps to
+    the device (``dense_fallback_mib`` None), it is off unless `dense_fallback`: evaluation
+    measures the algorithm. A value the config or the overrides set explicitly is kept."""
+    resolved = resolve_config(config, **(overrides or {}))
+    if not dense_fallback and resolved.dense_fallback_mib is None:
+        resolved = resolved.replace(dense_fallback_mib=0.0)
+    return resolved
 
 
 def task_scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from hshare.eval.harness import evaluation_config
 from hshare.eval.sweep_spec import SweepEntry, SweepSpec, load_sweep
 
 RUNS = "runs"
@@ -32,15 +33,15 @@ def run_path(out_dir: Path, entry: SweepEntry) -> Path:
     return out_dir / RUNS / f"{entry.file_stem}.json"
 
 
-def _identity(entry: SweepEntry, tasks: list[str], limit: Any) -> dict[str, Any]:
-    """What must match for a finished run to be reused."""
-    config = dataclasses.asdict(entry.config())
+def _identity(entry: SweepEntry, tasks: list[str], limit: Any, dense_fallback: bool = False) -> dict[str, Any]:
+    """What must match for a finished run to be reused: tasks, limit, and the config that runs."""
+    config = dataclasses.asdict(evaluation_config(entry.config(), dense_fallback=dense_fallback))
     config.pop("name", None)
-    config["dense_fallback_mib"] = config["dense_fallback_mib"] if config["dense_fallback_mib"] is not None else 0.0
     return {"tasks": sorted(tasks), "limit": limit, "config": json.loads(json.dumps(config, default=str))}
 
 
-def finished(out_dir: Path, entry: SweepEntry, tasks: list[str], limit: Any) -> dict[str, Any] | None:
+def finished(out_dir: Path, entry: SweepEntry, tasks: list[str], limit: Any,
+             dense_fallback: bool = False) -> dict[str, Any] | None:
     """The saved run of `entry` if it was made with the same tasks, limit and config, else None."""
     path = run_path(out_dir, entry)
     if not path.is_file():
@@ -49,7 +50,7 @@ def finished(out_dir: Path, entry: SweepEntry, tasks: list[str], limit: Any) -> 
         saved = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
-    return saved if saved.get("identity") == _identity(entry, tasks, limit) else None
+    return saved if saved.get("identity") == _identity(entry, tasks, limit, dense_fallback) else None
 
 
 def _write_atomic(path: Path, payload: dict[str, Any]) -> None:
@@ -60,17 +61,19 @@ def _write_atomic(path: Path, payload: dict[str, Any]) -> None:
 
 
 def run_sweep(spec: SweepSpec, evaluate_one: Callable[[SweepEntry], Any], out_dir: Path, tasks: list[str],
-              limit: Any, meta: dict[str, Any] | None = None, progress: Callable[[str, str], None] | None = None
-              ) -> list[dict[str, Any]]:
+              limit: Any, meta: dict[str, Any] | None = None, progress: Callable[[str, str], None] | None = None,
+              dense_fallback: bool = False) -> list[dict[str, Any]]:
     """Run every config not finished yet; returns the run records in sweep order.
 
     Args:
         evaluate_one: entry -> `EvalResult` (the model call; injected so that tests can count calls).
+        dense_fallback: whether `evaluate_one` keeps the configs' dense fallback (part of a run's
+            identity: a run made with it is not reused without it).
         progress: called with (config name, "skip" | "run" | "done") for a progress display.
     """
     records = []
     for entry in spec.entries:
-        saved = finished(out_dir, entry, tasks, limit)
+        saved = finished(out_dir, entry, tasks, limit, dense_fallback)
         if saved is not None:
             if progress:
                 progress(entry.name, "skip")
@@ -80,7 +83,7 @@ def run_sweep(spec: SweepSpec, evaluate_one: Callable[[SweepEntry], Any], out_di
             progress(entry.name, "run")
         result = evaluate_one(entry)
         record = {"name": entry.name, "preset": entry.preset, "overrides": entry.overrides,
-                  "identity": _identity(entry, tasks, limit), **(meta or {}), **result.as_dict()}
+                  "identity": _identity(entry, tasks, limit, dense_fallback), **(meta or {}), **result.as_dict()}
         _write_atomic(run_path(out_dir, entry), json.loads(json.dumps(record, default=str)))
         records.append(record)
         if progress:
@@ -259,7 +262,7 @@ def main_sweep(args: argparse.Namespace) -> int:
 
         records = run_sweep(spec, evaluate_one, out_dir, tasks, limit,
                             {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                             "model": meta["model"], "device": meta["device"]}, progress)
+                             "model": meta["model"], "device": meta["device"]}, progress, args.dense_fallback)
     return _report(records, out_dir, meta)
 
 

@@ -92,3 +92,15 @@ def test_summary_relative_scores_costs_and_files(tmp_path):
     assert md[4].startswith("| ds | 0.4 | 0.8 | 0.25 |")
     assert json.loads((tmp_path / "sweep.json").read_text())["rows"][1]["config"] == "ds"
     assert (tmp_path / "sweep.csv").read_text().splitlines()[2].startswith("ds,0.4,0.8")
+
+
+def test_evaluation_keeps_explicit_fallbacks_and_resume_tells_fallback_runs_apart(tmp_path):
+    from hshare.eval.harness import evaluation_config
+
+    assert evaluation_config("ds", {"dense_fallback_mib": 64}).dense_fallback_mib == 64.0  # set by the user: kept
+    spec = load_sweep(_write(tmp_path, "configs: [ds, {name: ds-fb, preset: ds, set: {dense_fallback_mib: 64}}]\n"))
+    out, calls = tmp_path / "out", []
+    records = run_sweep(spec, lambda e: _fake_result(e.name, calls), out, ["gsm8k"], 2)
+    assert [r["identity"]["config"]["dense_fallback_mib"] for r in records] == [0.0, 64.0]
+    run_sweep(spec, lambda e: _fake_result(e.name, calls), out, ["gsm8k"], 2, dense_fallback=True)
+    assert calls == ["ds", "ds-fb", "ds"]  # ds now keeps the device's fallback: another run; ds-fb is the same
