@@ -6,7 +6,8 @@ steps). See README.md.
 """
 
 from hshare.api import new_cache, patch, patched, unpatch
-from hshare.cache import DecodeStats, HShareCache
+from hshare.cache import HShareCache
+from hshare.counters import DecodeStats
 from hshare.config import ConfigError, HShareConfig, preset_names
 from hshare.patches import UnsupportedModelError
 

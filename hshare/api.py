@@ -31,6 +31,7 @@ from hshare.channels import ChannelCalibration, resolve_calibration
 from hshare.config import HShareConfig, resolve_config
 from hshare.patches import adapter_for
 from hshare.shared_generate import generate_with_shared_prefix
+from hshare.static_decode import StaticDecodeReport, StaticDecoder, new_token_budget, static_decode_unsupported
 
 _STATE_ATTR = "_hshare_patch"
 
@@ -70,30 +71,102 @@ def patch_state(model) -> PatchState | None:
     return model.__dict__.get(_STATE_ATTR)
 
 
+_HSHARE_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
+
+
+def _cache_implementation(model, kwargs: dict) -> str | None:
+    """The cache ``generate`` was asked for (its kwargs, or a generation config's)."""
+    if kwargs.get("cache_implementation") is not None:
+        return kwargs["cache_implementation"]
+    config = kwargs.get("generation_config") or model.generation_config
+    return getattr(config, "cache_implementation", None)
+
+
+@contextlib.contextmanager
+def _without_cache_implementation(model, kwargs: dict) -> Iterator[dict]:
+    """`kwargs` without a cache implementation, and none in the generation configs for the call
+    (generate refuses one next to a cache object; it also reads the model's own config)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "cache_implementation"}
+    configs = [c for c in (kwargs.get("generation_config"), model.generation_config)
+               if getattr(c, "cache_implementation", None) is not None]
+    saved = [c.cache_implementation for c in configs]
+    for c in configs:
+        c.cache_implementation = None
+    try:
+        yield kwargs
+    finally:
+        for c, value in zip(configs, saved):
+            c.cache_implementation = value
+
+
 def _wrap_generate(model) -> None:
     original = type(model).generate.__get__(model)
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
         wants_cache = kwargs.get("use_cache", True) is not False
-        implementation = kwargs.get("cache_implementation") or getattr(model.generation_config,
-                                                                       "cache_implementation", None)
-        if kwargs.get("past_key_values") is None and wants_cache and implementation is None:
-            kwargs["past_key_values"] = new_cache(model)
-        cache = kwargs.get("past_key_values")
-        if isinstance(cache, HShareCache) and cache.prefix is not None:
+        implementation = _cache_implementation(model, kwargs)
+        if not (wants_cache and kwargs.get("past_key_values") is None):
+            return _generate(model, original, args, kwargs)
+        if implementation not in _HSHARE_CACHE_IMPLEMENTATIONS:
             raise ValueError(
-                "this HShareCache holds a shared-prefix layout from an earlier generate (its columns are not the "
-                "returned sequences' columns), so generation cannot continue from it; accepted: a fresh cache, or "
-                "patch with prefix='off' for caches you continue"
+                f"cache_implementation={implementation!r} is not available on an hshare-patched model (its "
+                "cache is hshare's); accepted: None or 'dynamic' (hshare's cache), 'static' (hshare's cache "
+                "with static shapes and CUDA graphs, the default on CUDA), or hshare.unpatch(model) first"
             )
-        if isinstance(cache, HShareCache) and not cache.get_seq_length() and cache.config.shares_prefix:
+        with _without_cache_implementation(model, kwargs) as kwargs:
+            kwargs["past_key_values"] = new_cache(model)
+            return _generate(model, original, args, kwargs)
+
+    model.generate = generate
+
+
+def _generate(model, original, args: tuple, kwargs: dict):
+    """``generate`` with hshare's cache: the shared prefix held once, static-shape decode."""
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, HShareCache) and cache.prefix is not None:
+        raise ValueError(
+            "this HShareCache holds a shared-prefix layout from an earlier generate (its columns are not the "
+            "returned sequences' columns), so generation cannot continue from it; accepted: a fresh cache, or "
+            "patch with prefix='off' for caches you continue"
+        )
+    if not isinstance(cache, HShareCache):
+        return original(*args, **kwargs)
+    with static_decode(model, cache, args, kwargs):
+        if not cache.get_seq_length() and cache.config.shares_prefix:
             shared = generate_with_shared_prefix(model, original, cache, args, kwargs)
             if shared is not None:
                 return shared
         return original(*args, **kwargs)
 
-    model.generate = generate
+
+@contextlib.contextmanager
+def static_decode(model, cache: HShareCache, args: tuple, kwargs: dict) -> Iterator[None]:
+    """Decode with static shapes and CUDA graphs for one ``generate`` call where it applies
+    (`hshare.static_decode`); ``cache.static_decode`` reports what ran and, if eager, why."""
+    report = cache.static_decode = StaticDecodeReport()
+    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    reason = static_decode_unsupported(model, cache, kwargs)
+    new_tokens = None
+    if reason is None:
+        width = input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else None
+        new_tokens = None if width is None else new_token_budget(model, kwargs, width)
+        if new_tokens is None:
+            reason = "the number of new tokens is unknown (pass max_new_tokens)"
+    if reason is not None:
+        report.reason = reason
+        yield
+        return
+    previous = model.__dict__.get("forward")  # an instance forward (accelerate's hooks) stays in the chain
+    model.forward = StaticDecoder(model, model.forward, new_tokens, report)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del model.forward
+        else:
+            model.forward = previous
+        cache.thaw()
 
 
 def patch(model, config: HShareConfig | str | os.PathLike | None = None, **overrides: Any):

@@ -80,12 +80,21 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             _record_evidence(cache, layer_idx, query, valid)
         return out
 
+    static = cache.static
     if layer_idx == 0:
-        cache.begin_decode_step(valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0])
+        if static is None:
+            cache.begin_decode_step(valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0])
+        else:  # static shapes: validity and the token's column are device tensors, the kind is scheduled
+            cache.open_step(static.valid)
+    if static is not None:  # transformers' mask is sized from host lengths: use the cache's validity
+        attention_mask = static.valid[:, None, None, :]
     layer = cache.layers[layer_idx]
     sparse = cache.is_sparse_layer(layer_idx)
     if sparse:
-        layer.policy.append(key[:, :, layer.policy.length:])
+        if static is None:
+            layer.policy.append(key[:, :, layer.policy.length:])
+        else:
+            layer.policy.write(static.column, key.index_select(2, static.column))
     if not sparse or cache.state.dense_fallback:
         cache.work.add_dense_layer()
         if cache.prefix is None:
@@ -94,7 +103,7 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         return _decode_attention(cache, layer_idx, query, key, value, cache.own_columns(), scaling), None
     windows = cache.state.windows
     if cache.state.selecting:
-        layer.heavy = _select_heavy_columns(cache, layer_idx, query)
+        _keep_heavy(cache, layer, _select_heavy_columns(cache, layer_idx, query))
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
         layer.heavy = torch.full((batch, cache.sel_heads, cache.config.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
@@ -105,6 +114,17 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     indices = windows.critical_indices(layer.heavy)
     cache.work.add_indices(indices)
     return _decode_attention(cache, layer_idx, query, key, value, indices, scaling), None
+
+
+def _keep_heavy(cache: HShareCache, layer: HShareLayer, heavy: torch.Tensor) -> None:
+    """Keep a selection's heavy columns ``[B, H_sel, heavy]`` for the query group's reuse steps. With
+    static shapes they are written into the layer's own buffer (a captured reuse step reads it)."""
+    if cache.static is None:
+        layer.heavy = heavy
+    elif layer.heavy is None or layer.heavy.shape != heavy.shape:
+        layer.heavy = heavy.clone()
+    else:
+        layer.heavy.copy_(heavy)
 
 
 def _decode_attention(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
@@ -154,7 +174,7 @@ def _prefill_policy(cache: HShareCache, layer_idx: int, query: torch.Tensor, key
     q_len, kv_len = query.shape[2], key.shape[2]
     if layer.policy is None:
         layer.policy = new_policy(cache.config, cache.calibration, layer_idx, query, key[:, :, kv_len - q_len:],
-                                  valid[:, kv_len - q_len:], cache.kv_heads)
+                                  valid[:, kv_len - q_len:], cache.kv_heads, cache.reserve)
     start = layer.policy.length
     layer.policy.append(key[:, :, start:], valid[:, start:])
     return layer.policy

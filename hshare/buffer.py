@@ -1,9 +1,15 @@
-"""A tensor that grows along its token dimension with amortized reallocation.
+"""A tensor that grows along its token dimension, or is sized once for a whole generation.
 
 Decode appends one token per step. ``torch.cat`` (what transformers' DynamicCache does) copies
 the whole cache every step: 2x the bytes dense attention reads, far more than a sparse step
 reads. The buffer over-allocates and hands out views ``[..., :length, ...]`` of its storage, so a
 step writes one token and the attention kernels read the cache in place.
+
+Static shapes (`hshare.static_decode`, CUDA graphs): given a `reserve` (the prompt plus
+``max_new_tokens``, known when ``generate`` starts) the first allocation is that final size and
+nothing is ever copied to grow. `freeze` then makes `view` the whole storage (a fixed shape every
+step) and decode writes its token at a column held in a device tensor (`write`), so one captured
+step serves every step; the host-side `length` is advanced by the caller (`advance`).
 """
 
 from __future__ import annotations
@@ -15,19 +21,27 @@ _HEADROOM = 0.25  # extra capacity on growth, relative to the needed length
 
 
 class GrowingBuffer:
-    """Storage for ``[B, H, n, ...]`` tensors growing along dim 2 (tokens)."""
+    """Storage for ``[B, H, n, ...]`` tensors growing along dim 2 (tokens).
 
-    def __init__(self) -> None:
+    Args:
+        reserve: tokens to allocate at the first allocation (no headroom, no growth below it).
+    """
+
+    def __init__(self, reserve: int = 0) -> None:
         self.storage: torch.Tensor | None = None
         self.length = 0
+        self.reserve = reserve
+        self.frozen = False
 
     @property
     def capacity(self) -> int:
         return 0 if self.storage is None else self.storage.shape[2]
 
     def view(self) -> torch.Tensor | None:
-        """``[B, H, length, ...]`` view of the stored tokens."""
-        return None if self.storage is None else self.storage[:, :, : self.length]
+        """``[B, H, length, ...]`` view of the stored tokens (frozen: the whole storage)."""
+        if self.storage is None:
+            return None
+        return self.storage if self.frozen else self.storage[:, :, : self.length]
 
     def append(self, new: torch.Tensor) -> torch.Tensor:
         """Append ``[B, H, t, ...]`` tokens; returns the view of all tokens."""
@@ -38,6 +52,8 @@ class GrowingBuffer:
               device: torch.device) -> torch.Tensor:
         """Grow by `tokens` and return the ``[B, H, tokens, *tail]`` view to write them into (a kernel
         writes new tokens straight into the storage)."""
+        if self.frozen:
+            raise RuntimeError("a frozen (static-shape) buffer takes tokens through write(); thaw() it first")
         needed = self.length + tokens
         if self.storage is None or needed > self.capacity or self.storage.shape[:2] != batch_heads:
             if self.storage is not None and self.storage.shape[:2] != batch_heads and self.length:
@@ -45,14 +61,39 @@ class GrowingBuffer:
                     f"cannot append tokens of batch/heads {batch_heads} to a buffer holding "
                     f"{tuple(self.storage.shape[:2])}"
                 )
-            capacity = -(-int(needed * (1 + _HEADROOM)) // _GRANULE) * _GRANULE
-            grown = torch.empty((*batch_heads, capacity, *tail), dtype=dtype, device=device)
+            if self.storage is None and needed <= self.reserve:
+                # zeroed: a frozen view exposes the columns not yet written, and attention masks them by
+                # weight 0, which turns stale NaN / inf bits into NaN (0 * inf)
+                grown = torch.zeros((*batch_heads, self.reserve, *tail), dtype=dtype, device=device)
+            else:
+                capacity = -(-int(needed * (1 + _HEADROOM)) // _GRANULE) * _GRANULE
+                grown = torch.empty((*batch_heads, capacity, *tail), dtype=dtype, device=device)
             if self.length:
                 grown[:, :, : self.length] = self.storage[:, :, : self.length]
             self.storage = grown
         start, self.length = self.length, needed
         return self.storage[:, :, start:needed]
 
+    # ---- static shapes ----------------------------------------------------------------
+    def freeze(self) -> None:
+        """Static decode: `view` is the whole storage from now on (its shape never changes)."""
+        self.frozen = self.storage is not None
+
+    def thaw(self) -> None:
+        self.frozen = False
+
+    def write(self, column: torch.Tensor, new: torch.Tensor) -> None:
+        """Write ``[B, H, 1, ...]`` at the column held in `column` (``[1]`` int64, on the device):
+        no host value involved, so a captured step writes where the replayed step is."""
+        self.storage.index_copy_(2, column, new)
+
+    def advance(self, tokens: int) -> None:
+        """Host bookkeeping of tokens written by `write` (the column tensor follows the length)."""
+        if self.length + tokens > self.capacity:
+            raise RuntimeError(f"static buffer full: {self.length} + {tokens} tokens > capacity {self.capacity}")
+        self.length += tokens
+
+    # ---- rows and length ----------------------------------------------------------------
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep (or repeat / reorder) batch rows: beam search, ``batch_select_indices``."""
         if self.storage is not None:
@@ -63,5 +104,11 @@ class GrowingBuffer:
 
     def nbytes(self) -> int:
         """Bytes of the stored tokens (not of the spare capacity)."""
-        view = self.view()
-        return 0 if view is None else view.numel() * view.element_size()
+        if self.storage is None:
+            return 0
+        stored = self.storage[:, :, : self.length]
+        return stored.numel() * stored.element_size()
+
+    def reserved_bytes(self) -> int:
+        """Bytes allocated (stored tokens and spare capacity)."""
+        return 0 if self.storage is None else self.storage.numel() * self.storage.element_size()

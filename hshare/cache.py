@@ -1,4 +1,4 @@
-"""The per-`generate` cache: KV, labels, sharing plan, selections and counters (all state).
+"""The per-`generate` cache: KV, selection metadata, the shared prefix, the step state, counters.
 
 A fresh `HShareCache` is made for every ``generate`` call (`hshare.api` injects it), so batch
 size, prompts and lengths may change freely between calls and nothing leaks. It is a transformers
@@ -6,15 +6,19 @@ size, prompts and lengths may change freely between calls and nothing leaks. It 
 in growable buffers (no per-step ``torch.cat``). Sliding-window models keep full KV: the window is
 enforced by the attention mask, so the sparse path never attends outside it.
 
-Work counters (`DecodeStats`, ``cache.stats``): host integers where the work is known from shapes
-(steps, scorings, scored tokens / pages), device tensors for the K/V rows read (`WorkCounters`: no
-host sync in a decode step; reading ``cache.stats`` syncs once).
+Static shapes (`freeze`, used by `hshare.static_decode` on CUDA): buffers reserved at the
+generation's final length (``reserve``: the prompt plus ``max_new_tokens``) are exposed whole, the
+decode token is written at a column held in a device tensor and key validity comes from a device
+tensor (`StaticColumns`), so every decode step of one kind has the same shapes and device work.
+
+What a step decides lives in `hshare.step` (``cache.state``), the counters in `hshare.counters`
+(``cache.stats``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -22,10 +26,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hshare.buffer import GrowingBuffer
 from hshare.channels import ChannelCalibration
 from hshare.config import HShareConfig
-from hshare.planner import SharingPlan, build_plan, identity_plan
+from hshare.counters import DecodeStats, WorkCounters
 from hshare.policy import SelectionPolicy
 from hshare.prefix_store import PrefixStore
-from hshare.selection import NO_TOKEN, RowWindows
+from hshare.step import DecodeStep
 
 
 class HShareLayer(CacheLayerMixin):
@@ -38,20 +42,27 @@ class HShareLayer(CacheLayerMixin):
         keep: ``[B, H_sel, W, heavy]`` prefill keep-sets, the planner's evidence (until planned).
         prefix_width: columns held by the cache's shared-prefix store before this layer's own
             columns (counted in the sequence length transformers sees).
+        column: static shapes: ``[1]`` int64 device tensor, the column the decode token is written
+            to (None: tokens are appended).
+
+    Args:
+        reserve: own columns to allocate at the first allocation (`hshare.buffer.GrowingBuffer`).
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = True
 
-    def __init__(self) -> None:
+    def __init__(self, reserve: int = 0) -> None:
         super().__init__()
-        self._keys = GrowingBuffer()
-        self._values = GrowingBuffer()
+        self.reserve = reserve
+        self._keys = GrowingBuffer(reserve)
+        self._values = GrowingBuffer(reserve)
         self.policy: SelectionPolicy | None = None
         self.heavy: torch.Tensor | None = None
         self.keep: torch.Tensor | None = None
         self.prefix_width = 0
+        self.column: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -60,9 +71,18 @@ class HShareLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.column is not None:  # static shapes: the decode token at the step's column
+            self._keys.write(self.column, key_states)
+            self._values.write(self.column, value_states)
+            return self.keys, self.values
         self.keys = self._keys.append(key_states)
         self.values = self._values.append(value_states)
         return self.keys, self.values
+
+    @property
+    def buffers(self) -> list[GrowingBuffer]:
+        """Every token buffer of the layer (KV, and the policy's metadata when it has buffers)."""
+        return [self._keys, self._values, *getattr(self.policy, "buffers", ())]
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -100,196 +120,64 @@ class HShareLayer(CacheLayerMixin):
         self.heavy = None  # selections may point past the cropped end: select again
 
     def reset(self) -> None:
-        self.__init__()
+        self.__init__(self.reserve)
 
     def kv_bytes(self) -> int:
         return self._keys.nbytes() + self._values.nbytes()
 
 
 @dataclass
-class DecodeStats:
-    """Counters of one generation (what sharing saves is visible here), all exact integers.
-
-    The attention-cost counters turn into cost ratios: ``kv_rows_read / dense_kv_rows`` is the
-    share of dense attention's KV reads a config does, and ``scored_tokens`` (labels: x the label
-    bytes per token) or ``scored_pages`` (Quest: x 2 x d key elements per page) the selection work.
-    All count decode steps only (prefill, sparse or not, is not counted).
+class StaticColumns:
+    """Device tensors a static-shape decode step reads instead of host values.
 
     Attributes:
-        decode_steps: decode forward passes.
-        sparse_steps: decode steps where at least one row attended sparsely.
-        dense_fallback_steps: decode steps run densely because the KV was too small for sparse
-            attention to pay (`HShareConfig.dense_fallback_mib`).
-        selection_steps: decode steps that (re)selected critical tokens (query groups).
-        score_computations: (row, layer, selection head) scorings done (label or page scores).
-        plans: sharing plans built (one per generate when layers or heads share).
-        scored_tokens: tokens whose approximate score was computed (labels policy): summed over
-            scorings, the label-cache length n of the layer at that step (every cached own column
-            of the row is scored, left padding included).
-        scored_pages: the same for the Quest policy: summed over scorings, the page slots of the
-            layer's page cache at that step.
-        kv_rows_read: K/V token rows read by decode attention, summed over (row, layer, KV-head
-            reading): a dense step or layer reads each row's valid keys x Hkv; a sparse layer reads
-            the valid (not -1) critical indices x the heads reading them (per-KV-head selection:
-            Hkv readings of N_c; per-query-head selection: Hq readings); a shared-prefix level is
-            read once per group that has rows (its valid tokens x Hkv, for all rows of the group).
-        dense_kv_rows: what dense attention without a shared prefix reads at the same steps: every
-            row's valid keys (prefix levels included) x Hkv x layers.
-
-    The two KV counters are accumulated on the device (`HShareCache` adds tensors to a small
-    int64 tensor: no host sync in a decode step) and converted when ``cache.stats`` is read.
+        valid: ``[B, capacity]`` bool, key validity of the step's own columns (the columns not yet
+            written are False).
+        column: ``[1]`` int64, the column the step's token is written to.
     """
 
-    decode_steps: int = 0
-    sparse_steps: int = 0
-    dense_fallback_steps: int = 0
-    selection_steps: int = 0
-    score_computations: int = 0
-    plans: int = 0
-    scored_tokens: int = 0
-    scored_pages: int = 0
-    kv_rows_read: int = 0
-    dense_kv_rows: int = 0
-
-
-_KV_ROWS_READ, _DENSE_KV_ROWS = 0, 1  # slots of the WorkCounters tensors
-
-
-class WorkCounters:
-    """The device side of `DecodeStats`: K/V rows read, accumulated without host syncs.
-
-    Each decode step adds, once, what dense attention reads (``begin_step``: the rows' valid keys,
-    a device scalar, x Hkv x layers) and what the prefix levels cost; the layers that read every
-    valid own key are counted on the host as they run and added once per step (`flush`: one
-    tensor op); sparse layers add the valid count of their critical indices (`add_indices`). One
-    int64 ``[2]`` tensor per device; `totals` syncs once.
-
-    Args:
-        kv_heads: Hkv, the KV heads a dense reading reads each valid key from.
-    """
-
-    def __init__(self, kv_heads: int) -> None:
-        self.kv_heads = kv_heads
-        self.work: dict[torch.device, torch.Tensor] = {}
-        self.own_keys: torch.Tensor | None = None  # this step: valid own keys of all rows (device scalar)
-        self.dense_layers = 0  # layers of this step that read every valid own key (host count)
-
-    def _on(self, device: torch.device) -> torch.Tensor:
-        work = self.work.get(device)
-        if work is None:
-            work = self.work[device] = torch.zeros(2, dtype=torch.int64, device=device)
-        return work
-
-    def flush(self) -> None:
-        """Add the dense readings of the current step (one tensor op per step)."""
-        if self.own_keys is not None and self.dense_layers:
-            self._on(self.own_keys.device)[_KV_ROWS_READ].add_(self.own_keys, alpha=self.dense_layers * self.kv_heads)
-        self.dense_layers = 0
-
-    def begin_step(self, own_keys: torch.Tensor, layers: int, prefix_tokens: tuple[torch.Tensor, torch.Tensor] | None
-                   ) -> None:
-        """A decode step starts.
-
-        Args:
-            own_keys: valid own keys summed over the rows (int64 device scalar).
-            layers: the model's layers (each one attends once per step).
-            prefix_tokens: None, or the prefix levels' ``(valid tokens summed over the groups that
-                have rows, valid tokens summed over the rows' groups)`` (device scalars).
-        """
-        self.flush()
-        self.own_keys = own_keys
-        work = self._on(own_keys.device)
-        work[_DENSE_KV_ROWS].add_(own_keys, alpha=layers * self.kv_heads)
-        if prefix_tokens is not None:
-            work[_KV_ROWS_READ].add_(prefix_tokens[0].to(work.device), alpha=layers * self.kv_heads)
-            work[_DENSE_KV_ROWS].add_(prefix_tokens[1].to(work.device), alpha=layers * self.kv_heads)
-
-    def add_dense_layer(self) -> None:
-        """A layer of this step read every valid own key of every row, from every KV head."""
-        self.dense_layers += 1
-
-    def add_indices(self, indices: torch.Tensor) -> None:
-        """A layer read the valid entries of its critical indices ``[B, H_sel, N_c]`` (-1 = none)."""
-        self._on(indices.device)[_KV_ROWS_READ].add_((indices >= 0).sum())
-
-    def totals(self) -> tuple[int, int]:
-        """``(kv_rows_read, dense_kv_rows)`` as ints (a host sync)."""
-        self.flush()
-        read = dense = 0
-        for work in self.work.values():
-            r, d = work.tolist()
-            read, dense = read + r, dense + d
-        return read, dense
-
-
-@dataclass
-class LayerShare:
-    """The compiled plan of one sparse layer at selection steps (host-side, built once).
-
-    Attributes:
-        select_rows: rows for which this layer selects (None = all rows; empty = none).
-        copy_groups: ``(source layer, rows or None = all)`` whose heavy columns this layer copies.
-        source_heads: ``[P, n_src]`` selection heads that compute scores.
-        head_slot: ``[P, H_sel]`` position in `source_heads` of each head's source.
-        all_heads: every head is a source (no head sharing): no head gathers needed.
-    """
-
-    select_rows: torch.Tensor | None
-    copy_groups: list[tuple[int, torch.Tensor | None]]
-    source_heads: torch.Tensor
-    head_slot: torch.Tensor
-    all_heads: bool
-
-
-@dataclass
-class DecodeState:
-    """Step-level state shared by all layers."""
-
-    step: int = 0
-    last_selection: int | None = None
-    selecting: bool = False
-    windows: RowWindows | None = None
-    dense_fallback: bool = False
-    valid: torch.Tensor | None = None
-    own_columns: torch.Tensor | None = None
-    plan: SharingPlan | None = None
-    shares: dict[int, LayerShare] = field(default_factory=dict)
-    head_similarity: dict[int, torch.Tensor] = field(default_factory=dict)
-    layer_similarity: dict[int, torch.Tensor] = field(default_factory=dict)
+    valid: torch.Tensor
+    column: torch.Tensor
 
 
 class HShareCache(Cache):
-    """All state of one generation: KV, labels, plan, selections, counters.
+    """All state of one generation: KV, selection metadata, prefix, step state, counters.
 
     Args:
         config: the validated `HShareConfig`.
         model_config: the model's transformers config.
         calibration: heavy channels from a calibration file, or None (dynamic per row).
+        reserve: own columns per row to allocate at once (the prompt plus ``max_new_tokens``; 0 =
+            grow as needed). Required for static shapes (`freeze`).
     """
 
-    def __init__(self, config: HShareConfig, model_config, calibration: ChannelCalibration | None = None) -> None:
+    def __init__(self, config: HShareConfig, model_config, calibration: ChannelCalibration | None = None,
+                 reserve: int = 0) -> None:
         self.num_layers = model_config.num_hidden_layers
-        super().__init__(layers=[HShareLayer() for _ in range(self.num_layers)])
+        super().__init__(layers=[HShareLayer(reserve) for _ in range(self.num_layers)])
         self.config = config
         self.calibration = calibration
+        self.reserve = reserve
         self.q_heads = model_config.num_attention_heads
         self.kv_heads = model_config.num_key_value_heads
         self.sel_heads = self.kv_heads if config.selection == "kv_head" else self.q_heads
         dense = set(config.dense_layers)
         self.sparse_layers = [i for i in range(self.num_layers) if i not in dense] if config.sparse else []
         self._sparse = set(self.sparse_layers)
-        self.state = DecodeState()
-        self.counts = DecodeStats()  # the host-side counters (kv_rows_read, dense_kv_rows stay 0 here)
+        self.state = DecodeStep()
+        self.counts = DecodeStats()  # the host-side counters (the device-side ones stay 0 here)
         self.work = WorkCounters(self.kv_heads)  # the device-side ones
         self.prefix: PrefixStore | None = None
         self._prefix_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.static: StaticColumns | None = None
+        self.static_decode = None  # hshare.static_decode.StaticDecodeReport of the generate that filled it
 
     @property
     def stats(self) -> DecodeStats:
-        """The generation's counters (`DecodeStats`), a fresh object at each read. The K/V row
+        """The generation's counters (`DecodeStats`), a fresh object at each read. The data-dependent
         counters live on the device during generation; reading them here is one host sync."""
-        read, dense = self.work.totals()
-        return dataclasses.replace(self.counts, kv_rows_read=read, dense_kv_rows=dense)
+        read, dense, sparse_steps = self.work.totals()
+        return dataclasses.replace(self.counts, kv_rows_read=read, dense_kv_rows=dense, sparse_steps=sparse_steps)
 
     def count_scorings(self, scorings: int, policy: SelectionPolicy) -> None:
         """`scorings` (row, head) scorings of one layer by `policy` (host ints from shapes: no sync)."""
@@ -299,6 +187,57 @@ class HShareCache(Cache):
             self.counts.scored_pages += units
         else:
             self.counts.scored_tokens += units
+
+    # ---- static shapes ------------------------------------------------------------------
+    def freeze(self) -> StaticColumns:
+        """Static-shape decode from now on (after prefill): every buffer is exposed whole (its
+        reserved size), tokens are written at ``static.column``, validity is ``static.valid``."""
+        keys = self.layers[0]._keys.storage
+        if keys is None or not self.reserve or keys.shape[2] != self.reserve:
+            raise RuntimeError("static shapes need buffers reserved at the generation's final length "
+                               f"(reserve={self.reserve}, prefilled storage {None if keys is None else tuple(keys.shape)})")
+        device = keys.device
+        self.static = StaticColumns(
+            valid=torch.zeros(keys.shape[0], keys.shape[2], dtype=torch.bool, device=device),
+            column=torch.zeros(1, dtype=torch.long, device=device),
+        )
+        for layer in self.layers:
+            for buffer in layer.buffers:
+                buffer.freeze()
+            layer.keys, layer.values = layer._keys.view(), layer._values.view()
+            layer.column = self.static.column
+        return self.static
+
+    def thaw(self) -> None:
+        """Back to growing buffers and views of the stored tokens (generation goes on eagerly)."""
+        self.static = None
+        for layer in self.layers:
+            for buffer in layer.buffers:
+                buffer.thaw()
+            layer.column = None
+            if layer._keys.storage is not None:
+                layer.keys, layer.values = layer._keys.view(), layer._values.view()
+
+    def set_reserve(self, reserve: int) -> None:
+        """Reserve `reserve` own columns per row at the first allocation (before the own prefill)."""
+        if self.layers[0]._keys.storage is not None:
+            raise RuntimeError("set_reserve must come before the first token is cached")
+        self.reserve = reserve
+        for layer in self.layers:
+            layer.reserve = reserve
+            layer._keys.reserve = layer._values.reserve = reserve
+
+    @property
+    def own_length(self) -> int:
+        """Own columns stored per row (prefix levels excluded)."""
+        return self.layers[0]._keys.length
+
+    def advance(self, tokens: int = 1) -> None:
+        """Host bookkeeping of a static step's token (written on the device at ``static.column``)."""
+        for layer in self.layers:
+            for buffer in layer.buffers:
+                if buffer.storage is not None:
+                    buffer.advance(tokens)
 
     # ---- shared prefix ------------------------------------------------------------------
     def set_prefix(self, prefix: PrefixStore) -> None:
@@ -333,13 +272,7 @@ class HShareCache(Cache):
     def own_columns(self) -> torch.Tensor:
         """``[B, Hkv, n]`` every valid own column of this decode step (``NO_TOKEN`` elsewhere): the
         indices of exact attention over the own part next to a shared prefix (built once a step)."""
-        state = self.state
-        if state.own_columns is None:
-            valid = state.valid
-            columns = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
-            own = torch.where(valid, columns, torch.full_like(columns, NO_TOKEN))
-            state.own_columns = own[:, None].expand(-1, self.kv_heads, -1).contiguous()
-        return state.own_columns
+        return self.state.own_valid_columns(self.kv_heads)
 
     def prefix_tokens(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Prefix-level tokens one layer's decode attention reads per KV head, and what the rows
@@ -382,100 +315,44 @@ class HShareCache(Cache):
     # ---- steps --------------------------------------------------------------------------
     def begin_prefill(self) -> None:
         """A prefill forward (q_len > 1) invalidates the plan and selections of earlier steps."""
-        self.state.plan = None
-        self.state.shares = {}
-        self.state.last_selection = None
+        self.state.begin_prefill()
         for layer in self.layers:
             layer.heavy = None
 
-    def begin_decode_step(self, valid: torch.Tensor) -> None:
-        """Called once per decode forward (first layer): row windows, plan, selection due.
+    def schedule_step(self, batch: int, columns: int, device: torch.device) -> str:
+        """Decide the next decode step's kind on the host (`hshare.step.DecodeStep.schedule`) and
+        build the sharing plan at the first sparse step (one host sync per plan).
 
         Args:
-            valid: ``[B, n]`` key validity of the decode query.
+            columns: own columns of every row at this step (the new token included).
         """
         state, config = self.state, self.config
-        state.step += 1
-        self.counts.decode_steps += 1
-        state.valid, state.own_columns = valid, None
-        self.work.begin_step(valid.sum(), self.num_layers, self.prefix_tokens(valid.device))
-        if not self.sparse_layers:
-            state.windows, state.selecting = None, False
-            return
-        state.dense_fallback = self._layer_kv_bytes(valid) < config.dense_fallback_bytes(valid.device)
-        if state.dense_fallback:  # too small for sparse to pay: exact dense; the next sparse step selects
-            self.counts.dense_fallback_steps += 1
-            state.windows, state.selecting, state.last_selection = None, False, None
-            return
-        if state.plan is None:
-            self._plan(batch=valid.shape[0], device=valid.device)
-        # Query groups follow one schedule for the whole batch (steps 1, 1 + a, ...), also while
-        # every row is within the budget: a row's selections never depend on its batch mates.
-        due = state.last_selection is None or state.step - state.last_selection >= config.query_group
-        state.selecting = bool(due and config.heavy > 0)
-        if due:
-            state.last_selection = state.step
-            self.counts.selection_steps += int(config.heavy > 0)
-        lookahead = config.query_group - 1 if state.selecting and config.group_lookahead else 0
-        state.windows = RowWindows.build(valid, config.sink, config.local, config.budget, lookahead)
-        self.counts.sparse_steps += int(not state.windows.all_short)
+        kind = state.schedule(config, self.counts, bool(self.sparse_layers), self._layer_kv_bytes(batch, columns),
+                              device)
+        if kind != "dense" and state.plan is None:
+            state.make_plan(config, self.counts, self.sparse_layers, self.num_layers, self.sel_heads, batch, device)
+            for layer in self.layers:
+                layer.keep = None
+        return kind
 
-    def _layer_kv_bytes(self, valid: torch.Tensor) -> int:
+    def open_step(self, valid: torch.Tensor) -> None:
+        """The step's device tensors (first layer of the decode forward; `DecodeStep.open`).
+
+        Args:
+            valid: ``[B, n]`` key validity of the decode query over the own columns.
+        """
+        self.state.open(self.config, valid, self.work, self.num_layers, self.prefix_tokens(valid.device),
+                        static=self.static is not None)
+
+    def begin_decode_step(self, valid: torch.Tensor) -> None:
+        """An eager decode step: `schedule_step` from the shapes of `valid` ``[B, n]``, then `open_step`."""
+        self.schedule_step(valid.shape[0], valid.shape[1], valid.device)
+        self.open_step(valid)
+
+    def _layer_kv_bytes(self, batch: int, columns: int) -> int:
         """Bytes of one layer's own keys and values at this step (what dense attention reads)."""
-        keys = self.layers[self.sparse_layers[0]]._keys.storage
-        return valid.shape[0] * valid.shape[1] * keys.shape[1] * keys.shape[3] * keys.element_size() * 2
-
-    # ---- the plan -----------------------------------------------------------------------
-    def _plan(self, batch: int, device: torch.device) -> None:
-        config, state = self.config, self.state
-        if not config.shares_layers_or_heads:
-            plan = identity_plan(self.num_layers, self.sel_heads, device)
-        else:
-            generator = torch.Generator().manual_seed(config.seed) if config.planner == "random" else None
-            plan = build_plan(
-                state.head_similarity, state.layer_similarity, self.sparse_layers, self.num_layers, self.sel_heads,
-                config.layer_sharing, config.head_sharing, config.plan_scope == "sample", batch, device, generator,
-            )
-            self.counts.plans += 1
-        state.head_similarity, state.layer_similarity = {}, {}
-        for layer in self.layers:
-            layer.keep = None
-        self._compile_plan(plan)
-
-    def _compile_plan(self, plan: SharingPlan) -> None:
-        """Turn the plan into per-layer row and head lists (one host sync per generate)."""
-        state = self.state
-        state.plan = plan
-        layer_source = plan.layer_source.cpu()
-        head_source = plan.head_source.cpu()
-        device = plan.layer_source.device
-        heads = torch.arange(self.sel_heads)
-        shares = {}
-        for layer in self.sparse_layers:
-            sources = layer_source[:, layer]  # [P]
-            if plan.per_sample:
-                mine = (sources == layer).nonzero().flatten()
-                select_rows = mine.to(device) if len(mine) < len(sources) else None
-                copy_groups = [
-                    (int(src), (sources == src).nonzero().flatten().to(device))
-                    for src in sources.unique().tolist() if src != layer
-                ]
-            else:
-                own = int(sources[0]) == layer
-                select_rows = None if own else torch.zeros(0, dtype=torch.long, device=device)
-                copy_groups = [] if own else [(int(sources[0]), None)]
-            head_src = head_source[layer]  # [P, H]
-            is_source = head_src == heads  # [P, H]
-            source_heads = heads.expand_as(head_src)[is_source].reshape(len(head_src), -1)  # same count per row
-            slot = torch.searchsorted(source_heads.contiguous(), head_src.contiguous())
-            shares[layer] = LayerShare(
-                select_rows=select_rows,
-                copy_groups=copy_groups,
-                source_heads=source_heads.to(device),
-                head_slot=slot.to(device),
-                all_heads=bool(is_source.all()),
-            )
-        state.shares = shares
+        keys = self.layers[0]._keys.storage
+        return batch * columns * keys.shape[1] * keys.shape[3] * keys.element_size() * 2
 
     # ---- transformers Cache API -------------------------------------------------------
     def _select_rows(self, rows: torch.Tensor) -> None:
@@ -485,7 +362,8 @@ class HShareCache(Cache):
             self.prefix.select_rows(rows)
             self._prefix_tokens = None
         if self.state.plan is not None and self.state.plan.per_sample:
-            self._compile_plan(self.state.plan.select_rows(rows.to(self.state.plan.layer_source.device)))
+            plan = self.state.plan.select_rows(rows.to(self.state.plan.layer_source.device))
+            self.state.compile_plan(plan, self.sparse_layers, self.sel_heads)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.get_seq_length():
@@ -520,6 +398,10 @@ class HShareCache(Cache):
                 row_token_bytes = keys.shape[1] * keys.shape[3] * keys.element_size() * 2
                 total += keys.shape[0] * layer.get_seq_length() * row_token_bytes
         return total
+
+    def reserved_bytes(self) -> int:
+        """Bytes allocated for the rows' own KV and selection metadata (spare capacity included)."""
+        return sum(buffer.reserved_bytes() for layer in self.layers for buffer in layer.buffers)
 
     def label_bytes(self) -> int:
         """Bytes of the selection metadata: label caches (codes, scales, zeros) or Quest page bounds."""

@@ -1,5 +1,5 @@
 """The ``hshare`` command: ``demo``, ``eval``, ``sweep``, ``fidelity``, ``calibrate``, ``presets``,
-``bench attention|prefix|plot``."""
+``bench attention|prefix|generate|plot``."""
 
 from __future__ import annotations
 
@@ -57,6 +57,13 @@ def _bench(args: argparse.Namespace) -> int:
             raise SystemExit("hshare bench plot RESULTS.json: the results file is missing")
         print(f"wrote {bench.plot(Path(args.results))}")
         return 0
+    if args.what == "generate":
+        from hshare import bench_generate
+
+        paths = tuple(args.paths.split(",")) if args.paths else bench_generate.PATHS
+        bench_generate.main(Path(args.out), args.shape, args.batch, args.prompt, args.new_tokens, paths, args.shared,
+                            args.layers, args.smoke)
+        return 0
     run = bench.main_attention if args.what == "attention" else bench.main_prefix
     run(Path(args.out), args.smoke)
     return 0
@@ -94,10 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     presets.set_defaults(run=_presets)
 
     bench = commands.add_parser("bench", help="decode attention against dense SDPA (run it on a GPU)")
-    bench.add_argument("what", choices=("attention", "prefix", "plot"))
+    bench.add_argument("what", choices=("attention", "prefix", "generate", "plot"))
     bench.add_argument("results", nargs="?", help="for plot: a results JSON written by a bench")
     bench.add_argument("--out", default="bench-results", help="directory for the JSON and PNG (default bench-results)")
     bench.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the bench runs)")
+    bench.add_argument("--shape", default="llama2-7b", help="generate: llama2-7b, llama3-8b, mistral-7b (random weights)")
+    bench.add_argument("--batch", type=int, default=16, help="generate: rows")
+    bench.add_argument("--prompt", type=int, default=4096, help="generate: prompt tokens")
+    bench.add_argument("--new-tokens", type=int, default=256, help="generate: new tokens")
+    bench.add_argument("--paths", default="", help="generate: comma-separated paths (unpatched, static, presets)")
+    bench.add_argument("--shared", action="store_true", help="generate: every row is one prompt (prefix held once)")
+    bench.add_argument("--layers", type=int, default=None, help="generate: cut the model to this many layers")
     bench.set_defaults(run=_bench)
 
     commands.add_parser("eval", help="lm-eval with the 'hshare' model and local task data (hshare eval --help)",

@@ -133,6 +133,11 @@ class HShareConfig:
             faster from 4k (1.3x). The memory saving holds at any size: ``prefix="on"`` takes it.
         prefix_levels: 1 (one prefix for all rows) or 2 (plus groups of rows sharing more, e.g. the
             samples of each question after a common few-shot prefix).
+        cuda_graphs: on CUDA, ``generate`` decodes with static shapes (buffers sized once for the
+            prompt plus ``max_new_tokens``) and replays each kind of decode step as a CUDA graph
+            (`hshare.static_decode`); where that cannot apply (beam search, the quest policy, an
+            unknown final length...) it decodes eagerly and says why in ``cache.static_decode``.
+            False = always eager. Tokens are the same either way.
     """
 
     sparse: bool = True
@@ -161,6 +166,7 @@ class HShareConfig:
     prefix_min_batch: int = 2
     prefix_min_saved_tokens: int = 131072
     prefix_levels: int = 2
+    cuda_graphs: bool = True
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -195,8 +201,9 @@ class HShareConfig:
             raise ConfigError(f"HShareConfig.dense_layers = {list(self.dense_layers)} repeats a layer; accepted: distinct indices")
         self.policy = _choice("policy", self.policy, POLICIES)
         self.page_size = _int("page_size", self.page_size, 1, 65536)
-        if not isinstance(self.sparse_prefill, bool):
-            raise ConfigError(f"HShareConfig.sparse_prefill = {self.sparse_prefill!r} is invalid; accepted: true or false")
+        for name in ("sparse_prefill", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"HShareConfig.{name} = {getattr(self, name)!r} is invalid; accepted: true or false")
         self.selection = _choice("selection", self.selection, SELECTION_GRANULARITIES)
         self.plan_scope = _choice("plan_scope", self.plan_scope, PLAN_SCOPES)
         self.planner = _choice("planner", self.planner, PLANNERS)

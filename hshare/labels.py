@@ -25,14 +25,15 @@ class LabelCache:
     """
 
     unit = "tokens"  # one scoring scores every cached token (DecodeStats.scored_tokens)
+    supports_static = True  # `write`: static-shape decode (`hshare.static_decode`)
 
-    def __init__(self, channels: torch.Tensor, bits: int, kv_heads: int) -> None:
+    def __init__(self, channels: torch.Tensor, bits: int, kv_heads: int, reserve: int = 0) -> None:
         self.channels = channels
         self.bits = bits
         self.kv_heads = kv_heads
-        self.codes = GrowingBuffer()
-        self.scale = GrowingBuffer()
-        self.zero = GrowingBuffer()
+        self.codes = GrowingBuffer(reserve)
+        self.scale = GrowingBuffer(reserve)
+        self.zero = GrowingBuffer(reserve)
 
     @property
     def sel_heads(self) -> int:
@@ -43,8 +44,13 @@ class LabelCache:
         return self.codes.length
 
     def scored_units(self) -> int:
-        """Tokens one (row, head) scoring computes now: every cached column n (padding included)."""
-        return self.length
+        """Tokens one (row, head) scoring computes now: every cached column n (padding included;
+        static shapes: every column of the reserved storage)."""
+        return self.codes.view().shape[2]
+
+    @property
+    def buffers(self) -> tuple[GrowingBuffer, ...]:
+        return self.codes, self.scale, self.zero
 
     def append(self, new_keys: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Quantize and append the labels of new keys ``[B, Hkv, t, d]`` (written in place).
@@ -52,18 +58,38 @@ class LabelCache:
         `valid` (``[B, t]``) is not needed: a token's label depends on its key only, and invalid
         columns are never selected (the windows exclude them)."""
         batch, _, tokens, _ = new_keys.shape
+        width, code_dtype, store = self._layout(new_keys.dtype)
         shape, device = (batch, self.sel_heads), new_keys.device
-        store = label_storage_dtype(new_keys.dtype)
-        if self.bits == 16:
-            width, code_dtype = self.channels.shape[-1], torch.bfloat16 if store == torch.bfloat16 else torch.float16
-        else:
-            width, code_dtype = self.channels.shape[-1] * self.bits // 8, torch.uint8
         codes = self.codes.claim(shape, tokens, (width,), code_dtype, device)
         scale = zero = None
         if self.bits != 16:
             scale = self.scale.claim(shape, tokens, (), store, device)
             zero = self.zero.claim(shape, tokens, (), store, device)
         append_labels(new_keys, self.channels, self.bits, codes, scale, zero)
+
+    def write(self, column: torch.Tensor, new_key: torch.Tensor) -> None:
+        """Static shapes: the labels of one new key ``[B, Hkv, 1, d]`` at the column held in
+        `column` (``[1]`` int64 device tensor; `hshare.buffer.GrowingBuffer.write`)."""
+        batch = new_key.shape[0]
+        width, code_dtype, store = self._layout(new_key.dtype)
+        new = dict(device=new_key.device)
+        codes = torch.empty(batch, self.sel_heads, 1, width, dtype=code_dtype, **new)
+        scale = zero = None
+        if self.bits != 16:
+            scale = torch.empty(batch, self.sel_heads, 1, dtype=store, **new)
+            zero = torch.empty(batch, self.sel_heads, 1, dtype=store, **new)
+        append_labels(new_key, self.channels, self.bits, codes, scale, zero)
+        self.codes.write(column, codes)
+        if self.bits != 16:
+            self.scale.write(column, scale)
+            self.zero.write(column, zero)
+
+    def _layout(self, key_dtype: torch.dtype) -> tuple[int, torch.dtype, torch.dtype]:
+        """``(code width per token, code dtype, scale / zero dtype)`` for keys of `key_dtype`."""
+        store = label_storage_dtype(key_dtype)
+        if self.bits == 16:
+            return self.channels.shape[-1], torch.bfloat16 if store == torch.bfloat16 else torch.float16, store
+        return self.channels.shape[-1] * self.bits // 8, torch.uint8, store
 
     def query_labels(self, query: torch.Tensor) -> torch.Tensor:
         """Heavy channels of queries per selection head.
@@ -115,13 +141,13 @@ class LabelCache:
                            heads)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        for buffer in (self.codes, self.scale, self.zero):
+        for buffer in self.buffers:
             buffer.select_rows(rows)
         if self.channels.shape[0] > 1:
             self.channels = self.channels.index_select(0, rows.to(self.channels.device))
 
     def crop(self, length: int) -> None:
-        for buffer in (self.codes, self.scale, self.zero):
+        for buffer in self.buffers:
             buffer.crop(length)
 
     def nbytes(self) -> int:

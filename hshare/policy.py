@@ -67,6 +67,10 @@ class SelectionPolicy(Protocol):
     def nbytes(self) -> int:
         """Bytes of the metadata."""
 
+    def write(self, column: torch.Tensor, new_key: torch.Tensor) -> None:
+        """Static shapes: the metadata of one new key ``[B, Hkv, 1, d]`` at the column held in the
+        ``[1]`` device tensor `column` (policies that support static-shape decode)."""
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep / reorder / repeat batch rows (beam search, ``batch_select_indices``)."""
 
@@ -75,11 +79,12 @@ class SelectionPolicy(Protocol):
 
 
 def new_policy(config: HShareConfig, calibration: ChannelCalibration | None, layer: int, query: torch.Tensor,
-               new_keys: torch.Tensor, new_valid: torch.Tensor, kv_heads: int) -> SelectionPolicy:
+               new_keys: torch.Tensor, new_valid: torch.Tensor, kv_heads: int, reserve: int = 0) -> SelectionPolicy:
     """An empty policy for one sparse layer, made at its first prefill.
 
     Args:
         calibration: heavy channels of the model (labels), or None (chosen per row, dynamic).
+        reserve: columns to allocate at once (the generation's final length; labels only).
         query: ``[B, Hq, T, d]`` the prefill queries; new_keys: ``[B, Hkv, T, d]`` their keys;
             new_valid: ``[B, T]`` validity of those keys (dynamic channels use all three).
     """
@@ -90,4 +95,4 @@ def new_policy(config: HShareConfig, calibration: ChannelCalibration | None, lay
         channels = calibration.channels(layer, kv_heads, config.selection, config.label_channels).to(query.device)
     else:
         channels = dynamic_channels(query, new_keys, new_valid, config.selection, config.label_channels)
-    return LabelCache(channels, config.label_bits, kv_heads)
+    return LabelCache(channels, config.label_bits, kv_heads, reserve)

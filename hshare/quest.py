@@ -109,6 +109,12 @@ class QuestPageCache:
         """Pages one (row, head) scoring computes now: every page slot P."""
         return self.pages
 
+    supports_static = False  # pages grow with the length: `hshare.static_decode` runs Quest eagerly
+
+    def write(self, column: torch.Tensor, new_key: torch.Tensor) -> None:
+        raise NotImplementedError("the quest policy has no static-shape decode (its page slots grow with the "
+                                  "length); hshare.static_decode runs it eagerly")
+
     # ---- metadata ---------------------------------------------------------------------------
     def append(self, new_keys: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Fold new keys ``[B, Hkv, t, d]`` (columns ``[length, length + t)``) into the page bounds.

@@ -67,7 +67,8 @@ class RowWindows:
         selectable: ``[B, n]`` bool, where a selection step picks heavy tokens: the middle window
             extended by ``lookahead`` ranks into the local window (the tokens that leave the local
             window before the next selection), so a query group's reuse steps still attend them.
-        all_short: every row is short (host bool: the step's one device sync, not one per layer).
+        all_short: every row is short (host bool: the step's one device sync, not one per layer;
+            always False for a static-shape step, which never reads the device).
     """
 
     valid: torch.Tensor
@@ -81,9 +82,11 @@ class RowWindows:
     all_short: bool
 
     @classmethod
-    def build(cls, valid: torch.Tensor, sink: int, local: int, budget: int, lookahead: int = 0) -> "RowWindows":
+    def build(cls, valid: torch.Tensor, sink: int, local: int, budget: int, lookahead: int = 0,
+              sync: bool = True) -> "RowWindows":
         """Windows of every row; `lookahead` (a - 1 at a selection step of a query group of a steps,
-        with `HShareConfig.group_lookahead`) widens `selectable` into the local window."""
+        with `HShareConfig.group_lookahead`) widens `selectable` into the local window. `sync` =
+        False never reads the device (`all_short` False)."""
         n_valid = valid.sum(-1)
         device = valid.device
         rank = valid.long().cumsum(-1) - 1
@@ -106,7 +109,7 @@ class RowWindows:
             dense=nth_valid_columns(valid, dense_ranks),
             middle=middle,
             selectable=selectable,
-            all_short=bool(short.all()),
+            all_short=bool(short.all()) if sync else False,
         )
 
     def critical_indices(self, heavy: torch.Tensor) -> torch.Tensor:

@@ -82,5 +82,5 @@ def test_misspelt_field_names_the_closest_accepted_field():
         hshare.HShareConfig.from_preset("ds").replace(heavyy=10)
     with pytest.raises(ConfigError, match="did you mean 'query_sharing'"):
         hshare.HShareConfig.from_dict({"query_shareing": 0.5})
-    with pytest.raises(ConfigError, match="unknown HShareConfig field 'zzz'; accepted fields: dense_fallback_mib"):
+    with pytest.raises(ConfigError, match="unknown HShareConfig field 'zzz'; accepted fields: .*dense_fallback_mib"):
         hshare.HShareConfig().replace(zzz=1)

@@ -1,0 +1,206 @@
+"""``hshare bench generate``: end-to-end ``generate`` of random-weight models of real shapes.
+
+Paths, in the same process on the same prompts:
+
+* ``unpatched``: transformers' default (DynamicCache, SDPA, eager);
+* ``static``: transformers' ``cache_implementation="static"``, which ``generate`` compiles
+  (``torch.compile``, CUDA graphs): the strongest stock path and the baseline of every speed claim;
+* patched presets (``dense``, ``ds@512``, ``hshare-1_2-1_2-1_2@512``, ...): hshare's static-shape
+  decode replayed as CUDA graphs (`hshare.static_decode`).
+
+Per path: prefill time (a 1-token generate), decode tok/s = rows x (N - 1) / (t(N) - t(1)), warm-up
+(the first N-token call minus a later one: compilation or capture), peak GPU memory of an N-token
+call, KV bytes held, token agreement with ``unpatched`` (share of new tokens equal at the same
+position), and for patched paths what static decode did (graph replays, capture time, or why not).
+Models are built on the GPU with random weights (nothing is loaded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # (config class, fields): the published models' attention and MLP shapes
+    "llama2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)),
+    "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                rope_theta=500000.0)),
+    "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                   sliding_window=None)),
+    "tiny": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=256)),
+}
+PATHS = ("unpatched", "static", "dense", "ds@512", "hshare-1_2-1_2-1_2@512")
+
+
+@dataclass
+class GenerateRow:
+    """One path at one shape."""
+
+    shape: str
+    path: str
+    batch: int
+    prompt: int
+    new_tokens: int
+    shared_prompt: bool
+    prefill_s: float
+    decode_tok_s: float
+    warmup_s: float
+    peak_gib: float
+    kv_gib: float
+    agreement: float | None
+    static_decode: dict = field(default_factory=dict)
+    error: str = ""
+
+
+def build_model(shape: str, layers: int | None, device: str, dtype: torch.dtype, max_positions: int):
+    """A random-weight model of `shape` (`SHAPES`), made directly on `device` in `dtype`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    kind, fields = SHAPES[shape]
+    fields = dict(fields, max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if layers:
+        fields["num_hidden_layers"] = layers
+    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if kind == "llama" else (MistralConfig,
+                                                                                         MistralForCausalLM)
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_class(config_class(**fields))
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device: str) -> tuple[float, object]:
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - start, out
+
+
+def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, reference, device: str,
+                 shape: str, shared: bool) -> tuple[GenerateRow, torch.Tensor]:
+    """Time one path (see the module docstring); returns the row and the new tokens ``[B, N]``."""
+    import hshare
+
+    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
+    patched = path not in ("unpatched", "static")
+    context = hshare.patched(model, path, prefix="auto" if shared else "off") if patched else contextlib.nullcontext()
+    if path == "static":
+        kwargs["cache_implementation"] = "static"
+    caches = []
+
+    def generate(tokens: int):
+        extra = {}
+        if patched:
+            caches.append(hshare.new_cache(model))
+            extra["past_key_values"] = caches[-1]
+        return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs, **extra)
+
+    with context:
+        first, _ = _timed(lambda: generate(new_tokens), device)
+        prefill, _ = _timed(lambda: generate(1), device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        total, out = _timed(lambda: generate(new_tokens), device)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+    batch, width = ids.shape
+    new = out[:, width:]
+    agreement = None if reference is None else float((new == reference).float().mean())
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if patched:
+        cache = caches[-1]
+        kv = cache.reserved_bytes() + (cache.prefix.nbytes() if cache.prefix is not None else 0)
+        report = cache.static_decode
+        static = {"reason": report.reason, "replays": report.replays, "eager_steps": report.eager_steps,
+                  "capture_s": report.capture_seconds, "reserved": report.reserved}
+    else:
+        kv = batch * (width + new_tokens) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim \
+            * torch.finfo(model.dtype).bits // 8
+        static = {}
+    decode = batch * (new_tokens - 1) / max(total - prefill, 1e-9)
+    row = GenerateRow(shape=shape, path=path, batch=batch, prompt=width, new_tokens=new_tokens, shared_prompt=shared,
+                      prefill_s=prefill, decode_tok_s=decode, warmup_s=max(0.0, first - total), peak_gib=peak,
+                      kv_gib=kv / 2**30, agreement=agreement, static_decode=static)
+    return row, new
+
+
+def bench_generate(shape: str, batch: int, prompt: int, new_tokens: int, paths=PATHS, shared: bool = False,
+                   layers: int | None = None, device: str = "cuda", dtype=torch.bfloat16) -> list[GenerateRow]:
+    """Every path at one shape; `shared`: all rows are one prompt (the shared prefix held once)."""
+    model = build_model(shape, layers, device, dtype, prompt + new_tokens + 8)
+    generator = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    if shared:
+        ids = torch.randint(3, vocab, (1, prompt), generator=generator).expand(batch, prompt).contiguous()
+        mask = torch.ones_like(ids)
+    else:  # one row in four left-padded by up to an eighth of the prompt
+        ids = torch.randint(3, vocab, (batch, prompt), generator=generator)
+        mask = torch.ones_like(ids)
+        for row in range(0, batch, 4):
+            pad = int(torch.randint(1, max(2, prompt // 8), (1,), generator=generator))
+            ids[row, :pad], mask[row, :pad] = 0, 0
+    ids, mask = ids.to(device), mask.to(device)
+    rows, reference = [], None
+    for path in paths:
+        try:
+            row, new = measure_path(model, path, ids, mask, new_tokens, reference, device, shape, shared)
+            if path == "unpatched":
+                reference = new
+        except torch.OutOfMemoryError as error:
+            row = GenerateRow(shape, path, batch, prompt, new_tokens, shared, 0.0, 0.0, 0.0, 0.0, 0.0, None,
+                              error=f"out of memory: {str(error).splitlines()[0]}")
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print_row(row, rows[0])
+    return rows
+
+
+def print_row(row: GenerateRow, base: GenerateRow) -> None:
+    if row.error:
+        print(f"  {row.path:<26} {row.error}")
+        return
+    ratio = row.decode_tok_s / base.decode_tok_s if base.decode_tok_s else float("nan")
+    graphs = row.static_decode.get("replays")
+    static = (f"graphs {sum(graphs.values())} steps, capture {sum(row.static_decode['capture_s'].values()):.2f}s"
+              if graphs else row.static_decode.get("reason", ""))
+    agreement = "" if row.agreement is None else f"{row.agreement:.3f}"
+    print(f"  {row.path:<26} prefill {row.prefill_s:7.2f}s  decode {row.decode_tok_s:8.1f} tok/s ({ratio:5.2f}x)"
+          f"  warm-up {row.warmup_s:6.2f}s  peak {row.peak_gib:6.1f} GiB  KV {row.kv_gib:6.2f} GiB"
+          f"  agree {agreement:>5}  {static}")
+
+
+def main(out: Path, shape: str, batch: int, prompt: int, new_tokens: int, paths, shared: bool, layers: int | None,
+         smoke: bool) -> dict:
+    from hshare.bench import environment
+
+    device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if smoke:
+        shape, batch, prompt, new_tokens, layers = "tiny", 2, 40, 4, None
+    print(f"generate: {shape}{f' ({layers} layers)' if layers else ''}, B{batch}, prompt {prompt}"
+          f"{' (one prompt, shared)' if shared else ''}, {new_tokens} new tokens, {dtype}, {device}")
+    rows = bench_generate(shape, batch, prompt, new_tokens, paths, shared, layers, device, dtype)
+    results = {"env": environment(), "generate": [asdict(r) for r in rows]}
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"bench_generate_{shape}_b{batch}_p{prompt}{'_shared' if shared else ''}"
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    return results

@@ -1,0 +1,124 @@
+"""Work counters of one generation: what the decode steps computed and read (`DecodeStats`).
+
+Host integers where the work is known from the schedule and the plan (steps, scorings, scored
+tokens / pages); device tensors where it is data (`WorkCounters`: K/V rows read, sparse steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one generation (what sharing saves is visible here), all exact integers.
+
+    The attention-cost counters turn into cost ratios: ``kv_rows_read / dense_kv_rows`` is the
+    share of dense attention's KV reads a config does, and ``scored_tokens`` (labels: x the label
+    bytes per token) or ``scored_pages`` (Quest: x 2 x d key elements per page) the selection work.
+    All count decode steps only (prefill, sparse or not, is not counted).
+
+    Attributes:
+        decode_steps: decode forward passes.
+        sparse_steps: decode steps where at least one row attended sparsely (more valid keys
+            than the budget N_c).
+        dense_fallback_steps: decode steps run densely because the KV was too small for sparse
+            attention to pay (`HShareConfig.dense_fallback_mib`).
+        selection_steps: decode steps that (re)selected critical tokens (query groups).
+        score_computations: (row, layer, selection head) scorings done (label or page scores).
+        plans: sharing plans built (one per generate when layers or heads share).
+        scored_tokens: tokens whose approximate score was computed (labels policy): summed over
+            scorings, the label-cache length n of the layer at that step (every cached own column
+            of the row is scored, left padding included).
+        scored_pages: the same for the Quest policy: summed over scorings, the page slots of the
+            layer's page cache at that step.
+        kv_rows_read: K/V token rows read by decode attention, summed over (row, layer, KV-head
+            reading): a dense step or layer reads each row's valid keys x Hkv; a sparse layer reads
+            the valid (not -1) critical indices x the heads reading them (per-KV-head selection:
+            Hkv readings of N_c; per-query-head selection: Hq readings); a shared-prefix level is
+            read once per group that has rows (its valid tokens x Hkv, for all rows of the group).
+        dense_kv_rows: what dense attention without a shared prefix reads at the same steps: every
+            row's valid keys (prefix levels included) x Hkv x layers.
+
+    ``sparse_steps`` and the two KV counters are data (they depend on the rows' valid keys): they
+    are accumulated on the device (`WorkCounters`: no host sync in a decode step, so a step can be
+    captured as a CUDA graph) and converted when ``cache.stats`` is read; the others are known
+    on the host from the step schedule and the plan.
+    """
+
+    decode_steps: int = 0
+    sparse_steps: int = 0
+    dense_fallback_steps: int = 0
+    selection_steps: int = 0
+    score_computations: int = 0
+    plans: int = 0
+    scored_tokens: int = 0
+    scored_pages: int = 0
+    kv_rows_read: int = 0
+    dense_kv_rows: int = 0
+
+
+_KV_ROWS_READ, _DENSE_KV_ROWS, _SPARSE_STEPS = 0, 1, 2  # slots of the WorkCounters tensors
+
+
+class WorkCounters:
+    """The device side of `DecodeStats`: K/V rows read and sparse steps, without host syncs.
+
+    Each decode step adds, once, what dense attention reads (``begin_step``: the rows' valid keys,
+    a device scalar, x Hkv x layers), what the prefix levels cost, and whether any row is longer
+    than the budget; each layer adds what it read: every valid own key (`add_dense_layer`) or the
+    valid entries of its critical indices (`add_indices`). One int64 ``[3]`` tensor per device,
+    updated in place (a captured step updates it on every replay); `totals` syncs once.
+
+    Args:
+        kv_heads: Hkv, the KV heads a dense reading reads each valid key from.
+    """
+
+    def __init__(self, kv_heads: int) -> None:
+        self.kv_heads = kv_heads
+        self.work: dict[torch.device, torch.Tensor] = {}
+        self.own_keys: torch.Tensor | None = None  # this step: valid own keys of all rows (device scalar)
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The ``[3]`` int64 counters on `device` (made at the first use)."""
+        work = self.work.get(device)
+        if work is None:
+            work = self.work[device] = torch.zeros(3, dtype=torch.int64, device=device)
+        return work
+
+    def begin_step(self, own_keys: torch.Tensor, layers: int, prefix_tokens: tuple[torch.Tensor, torch.Tensor] | None,
+                   sparse_rows: torch.Tensor | None = None) -> None:
+        """A decode step starts.
+
+        Args:
+            own_keys: valid own keys summed over the rows (int64 device scalar).
+            layers: the model's layers (each one attends once per step).
+            prefix_tokens: None, or the prefix levels' ``(valid tokens summed over the groups that
+                have rows, valid tokens summed over the rows' groups)`` (device scalars).
+            sparse_rows: ``[B]`` bool, rows attended sparsely at this step (None = a dense step).
+        """
+        self.own_keys = own_keys
+        work = self.on(own_keys.device)
+        work[_DENSE_KV_ROWS].add_(own_keys, alpha=layers * self.kv_heads)
+        if prefix_tokens is not None:
+            work[_KV_ROWS_READ].add_(prefix_tokens[0].to(work.device), alpha=layers * self.kv_heads)
+            work[_DENSE_KV_ROWS].add_(prefix_tokens[1].to(work.device), alpha=layers * self.kv_heads)
+        if sparse_rows is not None:
+            work[_SPARSE_STEPS].add_(sparse_rows.any())
+
+    def add_dense_layer(self) -> None:
+        """A layer of this step read every valid own key of every row, from every KV head."""
+        self.on(self.own_keys.device)[_KV_ROWS_READ].add_(self.own_keys, alpha=self.kv_heads)
+
+    def add_indices(self, indices: torch.Tensor) -> None:
+        """A layer read the valid entries of its critical indices ``[B, H_sel, N_c]`` (-1 = none)."""
+        self.on(indices.device)[_KV_ROWS_READ].add_((indices >= 0).sum())
+
+    def totals(self) -> tuple[int, int, int]:
+        """``(kv_rows_read, dense_kv_rows, sparse_steps)`` as ints (a host sync)."""
+        sums = [0, 0, 0]
+        for work in self.work.values():
+            sums = [a + b for a, b in zip(sums, work.tolist())]
+        return sums[0], sums[1], sums[2]

@@ -1,0 +1,70 @@
+"""CUDA graphs of a step function: run it once for real, capture it, then replay it.
+
+Nothing here knows what the step computes. The caller owns every tensor the step reads and
+writes between steps (static buffers updated in place) and asks for one graph per *kind* of step
+(a key: steps of one kind launch the same kernels on the same shapes). A graph replays the whole
+step with one launch from the host instead of hundreds, which is what a decode step of a large
+model needs: its GPU work is a few milliseconds, its eager launches tens.
+
+The first step of a kind runs eagerly on a side stream (it is a real step, and it warms up what
+capture cannot do: Triton compilation, library handles) and is then captured: capture records the
+kernels without running them, so the caller must undo host-side effects of the capture pass
+(`StepGraphs.capture` returns nothing and changes no device memory). All graphs share one memory
+pool: only one step runs at a time and no graph's temporaries outlive its replay.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Hashable
+
+import torch
+
+
+class StepGraphs:
+    """One CUDA graph per step kind, captured on first use.
+
+    Args:
+        device: the CUDA device the step runs on.
+
+    Attributes:
+        capture_seconds: host seconds spent capturing each kind (the warm-up cost of graphs).
+        replays: replays per kind.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[Hashable, object] = {}
+        self.capture_seconds: dict[Hashable, float] = {}
+        self.replays: dict[Hashable, int] = {}
+
+    def __contains__(self, kind: Hashable) -> bool:
+        return kind in self.graphs
+
+    def eager(self, step: Callable[[], object]) -> object:
+        """Run `step` for real on a side stream (the first step of a kind: warm-up included)."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            out = step()
+        current.wait_stream(side)
+        return out
+
+    def capture(self, kind: Hashable, step: Callable[[], object]) -> None:
+        """Record `step` as the graph of `kind` (its kernels do not run)."""
+        start = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[kind] = step()
+        self.graphs[kind] = graph
+        self.replays[kind] = 0
+        self.capture_seconds[kind] = time.perf_counter() - start
+
+    def replay(self, kind: Hashable) -> object:
+        """Replay the graph of `kind`; returns its static outputs (overwritten by the next replay)."""
+        self.graphs[kind].replay()
+        self.replays[kind] += 1
+        return self.outputs[kind]

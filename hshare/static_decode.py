@@ -1,0 +1,257 @@
+"""Static-shape decode inside ``generate``, each kind of step replayed as a CUDA graph.
+
+Eager decode of a 7B model launches hundreds of kernels a step; the HShare step adds selection
+and gather kernels per layer, so ``generate`` is bound by the host (about 50 ms a step against
+under 10 ms of GPU work, issue 12). This module removes the host from the step:
+
+1. **Static shapes.** The cache's buffers are reserved once at their final size (the own prompt
+   plus ``max_new_tokens``) before prefill, and decode sees them whole (`HShareCache.freeze`): the
+   token is written at a column held in a device tensor, key validity is a ``[B, capacity]``
+   device tensor, the heavy columns of a selection live in per-layer buffers. Every data-dependent
+   decision is a device tensor (`hshare.step`), so a decode step never reads the device.
+2. **Graphs per step kind.** The host knows each step's kind without reading the device
+   (``"dense"``, ``"select"``, ``"reuse"``: `hshare.step.STEP_KINDS`); the first step of a kind runs
+   eagerly and is captured (`hshare.graphs.StepGraphs`), later ones replay it. A step costs a
+   few small host launches (the inputs, the column, the validity) plus one graph launch.
+3. **Host bookkeeping outside the graph.** Lengths, the step counter, the query-group schedule,
+   the plan and the host counters advance on the host exactly as in eager decode; counters that
+   the forward adds on the host (scorings) are measured once at capture and added per replay.
+
+Why our own capture and not ``torch.compile`` (transformers' route for ``StaticCache``): the step's
+kind is host control flow (a compiled forward would guard on it and recompile or need the plan in
+data-dependent form), the Triton kernels would need ``torch.library`` wrappers, and compiling a
+7B forward takes tens of seconds per shape while capture takes milliseconds per kind (both
+measured by ``hshare bench generate``). Capture needs nothing from the model but a forward without
+host syncs, so any architecture the patch supports gets it.
+
+Where static decode does not apply, ``generate`` decodes eagerly (same tokens) and
+``cache.static_decode.reason`` says why: ``cuda_graphs=False``, not CUDA, a model spread over
+devices, beam search / assisted decoding, per-token outputs (attentions, hidden states), the
+Quest policy (its page slots grow), a capture that failed (e.g. a rotary embedding that reads the
+device), or a generation that outgrows its reserved length (it goes on eagerly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from hshare.cache import HShareCache
+from hshare.counters import DecodeStats
+from hshare.graphs import StepGraphs
+
+# Static shapes off CUDA (no graphs: every step runs eagerly on the static buffers). Only tests turn
+# it on: it is the CPU check that static-shape decode gives eager decode's tokens.
+STATIC_ON_CPU = False
+
+_STEP_INPUTS = ("input_ids", "position_ids", "cache_position")  # per-step tensors copied into static buffers
+_EAGER_ONLY = ("output_attentions", "output_hidden_states")
+
+
+@dataclass
+class StaticDecodeReport:
+    """What static decode did in one ``generate`` (``cache.static_decode``).
+
+    Attributes:
+        reason: why decoding was (or became) eager; "" when every step after the first of each
+            kind replayed a graph.
+        replays: graph replays per step kind.
+        eager_steps: decode steps run eagerly (the first of each kind, and any after a fallback).
+        capture_seconds: host seconds spent capturing each kind.
+        reserved: own columns per row the buffers were reserved for.
+    """
+
+    reason: str = ""
+    replays: dict[str, int] = field(default_factory=dict)
+    eager_steps: int = 0
+    capture_seconds: dict[str, float] = field(default_factory=dict)
+    reserved: int = 0
+
+    @property
+    def graphed_steps(self) -> int:
+        return sum(self.replays.values())
+
+
+def uniform_sliding_window(config) -> int | None:
+    """The sliding window every layer applies, or None (full attention; mixed windows are refused
+    when patching, `hshare.patches`)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if window and all(t == "sliding_attention" for t in types) else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+def _generation_setting(model, kwargs: dict, name: str) -> Any:
+    config = kwargs.get("generation_config") or model.generation_config
+    return kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
+
+
+def new_token_budget(model, kwargs: dict, prompt_width: int) -> int | None:
+    """Tokens ``generate`` may add: ``max_new_tokens``, else ``max_length`` minus the prompt."""
+    new_tokens = _generation_setting(model, kwargs, "max_new_tokens")
+    if new_tokens is None:
+        max_length = _generation_setting(model, kwargs, "max_length")
+        new_tokens = None if max_length is None else max_length - prompt_width
+    return None if new_tokens is None else max(0, int(new_tokens))
+
+
+def static_decode_unsupported(model, cache: HShareCache, kwargs: dict) -> str | None:
+    """Why this ``generate`` call cannot decode with static shapes, or None."""
+    config = cache.config
+    if not config.cuda_graphs:
+        return "cuda_graphs=False"
+    if model.device.type != "cuda" and not STATIC_ON_CPU:
+        return f"the model is on {model.device.type}, CUDA graphs need CUDA"
+    devices = set(getattr(model, "hf_device_map", {}).values())
+    if len(devices) > 1:
+        return f"the model is spread over devices {sorted(map(str, devices))}"
+    if config.sparse and config.policy != "labels":
+        return f"policy={config.policy!r} has no static-shape decode (its page slots grow with the length)"
+    if (_generation_setting(model, kwargs, "num_beams") or 1) > 1:
+        return "beam search reorders the cache every step"
+    if kwargs.get("assistant_model") is not None or _generation_setting(model, kwargs, "prompt_lookup_num_tokens"):
+        return "assisted decoding feeds several tokens per step"
+    for name in _EAGER_ONLY:
+        if _generation_setting(model, kwargs, name):
+            return f"{name}=True needs the eager forward"
+    if cache.get_seq_length():
+        return "the cache given to generate already holds tokens"
+    return None
+
+
+class StaticDecoder:
+    """The model's forward during one ``generate`` call: eager prefill, static-shape decode steps
+    replayed as CUDA graphs (installed on the instance by the patched ``generate``).
+
+    Args:
+        model: the patched model.
+        forward: the forward it replaces (the class's, or an instance hook's such as accelerate's).
+        new_tokens: tokens the call may add (`new_token_budget`).
+        report: where to record what happened (``cache.static_decode``).
+    """
+
+    def __init__(self, model, forward, new_tokens: int, report: StaticDecodeReport) -> None:
+        self.model = model
+        self.forward = forward
+        self.__signature__ = inspect.signature(forward)  # generate reads which inputs the forward takes
+        self.new_tokens = new_tokens
+        self.report = report
+        self.window = uniform_sliding_window(model.config)
+        self.graphs: StepGraphs | None = None
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.constants: dict[str, Any] = {}
+        self.deltas: dict[str, dict[str, int]] = {}
+        self.cache: HShareCache | None = None
+
+    def __call__(self, *args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        ids = kwargs.get("input_ids")
+        if args or not isinstance(cache, HShareCache) or ids is None or cache.filling_prefix or self.report.reason:
+            return self.forward(*args, **kwargs)
+        if cache.own_length == 0:  # the rows' own prefill: reserve every buffer at its final size
+            if not cache.reserve:
+                cache.set_reserve(ids.shape[1] + self.new_tokens)
+                self.report.reserved = cache.reserve
+            return self.forward(**kwargs)
+        if ids.shape[1] != 1:
+            return self._fall_back(cache, f"a forward of {ids.shape[1]} tokens after prefill", kwargs)
+        return self._decode(cache, kwargs)
+
+    # ---- one decode step ----------------------------------------------------------------
+    def _decode(self, cache: HShareCache, kwargs: dict):
+        if cache.static is None:
+            reason = self._freeze(cache, kwargs)
+            if reason:
+                return self._fall_back(cache, reason, kwargs)
+        if cache.own_length + 1 > cache.reserve:
+            return self._fall_back(cache, f"the generation outgrew its reserved {cache.reserve} columns", kwargs)
+        column = cache.own_length
+        cache.advance(1)
+        width = column + 1
+        static = cache.static
+        static.column.fill_(column)
+        self._set_validity(static.valid, kwargs.get("attention_mask"), width)
+        kind = cache.schedule_step(static.valid.shape[0], width, static.valid.device)
+        for name, buffer in self.inputs.items():
+            buffer.copy_(kwargs[name])
+        if self.graphs is None:  # static shapes without graphs (off CUDA: tests)
+            logits = self._step()
+            self.report.eager_steps += 1
+        elif kind in self.graphs:
+            logits = self.graphs.replay(kind).clone()
+            _add_counts(cache.counts, self.deltas[kind])
+            self.report.replays[kind] = self.report.replays.get(kind, 0) + 1
+        else:
+            logits = self.graphs.eager(self._step)
+            self.report.eager_steps += 1
+            before = dataclasses.replace(cache.counts)
+            try:
+                self.graphs.capture(kind, self._step)
+            except Exception as error:  # noqa: BLE001 - anything the forward does that capture refuses
+                _restore_counts(cache.counts, before)
+                self.report.reason = f"capturing a {kind!r} step failed: {type(error).__name__}: {error}"
+                cache.thaw()
+            else:
+                self.deltas[kind] = _counts_delta(before, cache.counts)
+                _restore_counts(cache.counts, before)
+                self.report.capture_seconds[kind] = self.graphs.capture_seconds[kind]
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+    def _step(self) -> torch.Tensor:
+        return self.forward(**self.inputs, **self.constants, past_key_values=self.cache, attention_mask=None,
+                            use_cache=True, return_dict=True).logits
+
+    def _freeze(self, cache: HShareCache, kwargs: dict) -> str | None:
+        if cache.reserve != cache.layers[0]._keys.capacity:
+            return "the cache's buffers were not reserved at the generation's final length"
+        missing = [name for name in ("input_ids", "position_ids") if kwargs.get(name) is None]
+        if missing:
+            return f"generate passed no {', '.join(missing)}"
+        self.cache = cache
+        cache.freeze()
+        self.inputs = {name: kwargs[name].clone() for name in _STEP_INPUTS if isinstance(kwargs.get(name), torch.Tensor)}
+        self.constants = {name: value for name, value in kwargs.items()
+                          if name not in (*_STEP_INPUTS, "past_key_values", "attention_mask", "use_cache", "return_dict")
+                          and not isinstance(value, torch.Tensor)}
+        device = cache.static.valid.device
+        self.graphs = StepGraphs(device) if device.type == "cuda" else None
+        return None
+
+    def _set_validity(self, valid: torch.Tensor, mask: torch.Tensor | None, width: int) -> None:
+        """``valid[:, :width]`` from generate's 2-D mask (its last `width` columns are the own ones;
+        None = all valid), the sliding window applied (keys older than it are invalid)."""
+        if mask is None:
+            valid[:, :width] = True
+        else:
+            torch.ne(mask[:, -width:], 0, out=valid[:, :width])
+        if self.window is not None and width > self.window:
+            valid[:, : width - self.window] = False
+
+    def _fall_back(self, cache: HShareCache, reason: str, kwargs: dict):
+        """Decode eagerly from here on (same tokens), saying why."""
+        self.report.reason = self.report.reason or reason
+        if cache.static is not None:
+            cache.thaw()
+        self.report.eager_steps += int(kwargs["input_ids"].shape[1] == 1)
+        return self.forward(**kwargs)
+
+
+def _counts_delta(before: DecodeStats, after: DecodeStats) -> dict[str, int]:
+    return {f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(DecodeStats)
+            if getattr(after, f.name) != getattr(before, f.name)}
+
+
+def _restore_counts(counts: DecodeStats, saved: DecodeStats) -> None:
+    for f in dataclasses.fields(DecodeStats):
+        setattr(counts, f.name, getattr(saved, f.name))
+
+
+def _add_counts(counts: DecodeStats, delta: dict[str, int]) -> None:
+    for name, value in delta.items():
+        setattr(counts, name, getattr(counts, name) + value)

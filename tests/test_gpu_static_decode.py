@@ -1,0 +1,169 @@
+"""Static-shape decode replayed as CUDA graphs (`hshare.static_decode`), on a GPU.
+
+Graph replay must give the tokens of eager decode (the same hshare config with
+``cuda_graphs=False``), and exact configs the tokens of the unpatched model; steps after capture
+must not synchronise with the host. Skipped without CUDA (the device run executes it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hshare
+from hshare import static_decode
+from conftest import left_padded, tiny_llama, tiny_mistral
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SPARSE = dict(sink=2, local=4, heavy=6, dense_fallback_mib=0)
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32():
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+def _generate(model, ids, mask, new_tokens=12, **kwargs):
+    kwargs.setdefault("do_sample", False)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          pad_token_id=0, **kwargs)
+
+
+def _patched_tokens(model, preset, ids, mask, graphs: bool, seed=None, **overrides):
+    hshare.patch(model, preset, cuda_graphs=graphs, **overrides)
+    cache = hshare.new_cache(model)
+    if seed is not None:
+        torch.manual_seed(seed)
+    kwargs = dict(do_sample=True, top_k=20) if seed is not None else {}
+    out = _generate(model, ids, mask, past_key_values=cache, **kwargs)
+    hshare.unpatch(model)
+    return out, cache
+
+
+def _batch(lengths, device="cuda"):
+    ids, mask = left_padded(lengths)
+    return ids.to(device), mask.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [[40, 40, 40], [40, 23, 31, 9]])
+def test_dense_graphs_equal_unpatched(dtype, lengths):
+    model = tiny_llama(dtype=dtype).cuda()
+    ids, mask = _batch(lengths)
+    reference = _generate(model, ids, mask)
+    out, cache = _patched_tokens(model, "dense", ids, mask, graphs=True, prefix="off")
+    assert cache.static_decode.reason == "" and cache.static_decode.graphed_steps >= 9
+    assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("preset", ["ds", "hshare-1_2-1_2-1_2", "hshare-7_8-3_4-1_2", "streaming"])
+@pytest.mark.parametrize("scope", ["batch", "sample"])
+def test_sparse_graphs_equal_eager(preset, scope):
+    model = tiny_llama(kv_heads=2, layers=4).cuda()
+    ids, mask = _batch([60, 44, 51, 37])
+    eager, eager_cache = _patched_tokens(model, preset, ids, mask, graphs=False, plan_scope=scope, **SPARSE)
+    graphed, cache = _patched_tokens(model, preset, ids, mask, graphs=True, plan_scope=scope, **SPARSE)
+    assert cache.static_decode.reason == "", cache.static_decode
+    assert torch.equal(graphed, eager)
+    ours, theirs = cache.stats, eager_cache.stats
+    assert (ours.kv_rows_read, ours.dense_kv_rows, ours.sparse_steps, ours.selection_steps) == \
+        (theirs.kv_rows_read, theirs.dense_kv_rows, theirs.sparse_steps, theirs.selection_steps)
+    assert ours.score_computations == theirs.score_computations
+
+
+def test_seeded_sampling_graphs_equal_eager():
+    model = tiny_llama().cuda()
+    ids, mask = _batch([50, 33])
+    eager, _ = _patched_tokens(model, "hshare-1_2-1_2-1_2", ids, mask, graphs=False, seed=7, **SPARSE)
+    graphed, _ = _patched_tokens(model, "hshare-1_2-1_2-1_2", ids, mask, graphs=True, seed=7, **SPARSE)
+    assert torch.equal(graphed, eager)
+
+
+@pytest.mark.parametrize("preset", ["dense", "ds"])
+def test_shared_prefix_graphs(preset):
+    model = tiny_llama().cuda()
+    prefix = torch.randint(3, 150, (48,))
+    prompts = [torch.cat((prefix, torch.randint(3, 150, (n,)))) for n in (5, 9, 2)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    ids, mask = ids.cuda(), mask.cuda()
+    overrides = dict(prefix="on", **({} if preset == "dense" else SPARSE))
+    eager, _ = _patched_tokens(model, preset, ids, mask, graphs=False, **overrides)
+    graphed, cache = _patched_tokens(model, preset, ids, mask, graphs=True, **overrides)
+    assert cache.prefix is not None and cache.static_decode.reason == "", cache.static_decode
+    assert torch.equal(graphed, eager)
+    if preset == "dense":
+        assert torch.equal(graphed, _generate(model, ids, mask))
+
+
+def test_mistral_sliding_window_graphs_equal_unpatched():
+    model = tiny_mistral(sliding_window=24).cuda()
+    ids, mask = _batch([30, 19])
+    reference = _generate(model, ids, mask, new_tokens=16)
+    hshare.patch(model, "dense", prefix="off")
+    cache = hshare.new_cache(model)
+    out = _generate(model, ids, mask, new_tokens=16, past_key_values=cache)
+    hshare.unpatch(model)
+    assert cache.static_decode.reason == ""
+    assert torch.equal(out, reference)
+
+
+def test_repeated_calls_other_shapes_no_stale_graph():
+    model = tiny_llama().cuda()
+    hshare.patch(model, "hshare-1_2-1_2-1_2", **SPARSE)
+    results = []
+    for lengths, new in (([40, 30], 8), ([55, 20, 41], 14), ([40, 30], 8)):
+        ids, mask = _batch(lengths)
+        results.append(_generate(model, ids, mask, new_tokens=new))
+    hshare.patch(model, "hshare-1_2-1_2-1_2", cuda_graphs=False, **SPARSE)
+    for (lengths, new), got in zip((([40, 30], 8), ([55, 20, 41], 14)), results):
+        ids, mask = _batch(lengths)
+        assert torch.equal(got, _generate(model, ids, mask, new_tokens=new))
+    assert torch.equal(results[0], results[2])
+    hshare.unpatch(model)
+
+
+@pytest.mark.parametrize("preset", ["dense", "ds", "hshare-1_2-1_2-1_2"])
+def test_no_host_sync_in_a_replayed_step(monkeypatch, preset):
+    model = tiny_llama().cuda()
+    ids, mask = _batch([50, 33, 41])
+    checked = []
+    decode = static_decode.StaticDecoder._decode
+
+    def strict(self, cache, kwargs):
+        if cache.state.step < 2:
+            return decode(self, cache, kwargs)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = decode(self, cache, kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked.append(cache.state.step)
+        return out
+
+    monkeypatch.setattr(static_decode.StaticDecoder, "_decode", strict)
+    _, cache = _patched_tokens(model, preset, ids, mask, graphs=True, **({} if preset == "dense" else SPARSE))
+    assert cache.static_decode.reason == "" and len(checked) >= 8
+
+
+def test_outgrown_generation_goes_on_eagerly(monkeypatch):
+    model = tiny_llama().cuda()
+    ids, mask = _batch([40, 28])
+    eager, _ = _patched_tokens(model, "ds", ids, mask, graphs=False, **SPARSE)
+    monkeypatch.setattr(static_decode.StaticDecoder, "__init__", _short_reserve(static_decode.StaticDecoder.__init__))
+    graphed, cache = _patched_tokens(model, "ds", ids, mask, graphs=True, **SPARSE)
+    assert "outgrew" in cache.static_decode.reason
+    assert torch.equal(graphed, eager)
+
+
+def _short_reserve(init):
+    def wrapped(self, model, forward, new_tokens, report):
+        init(self, model, forward, new_tokens - 5, report)
+    return wrapped

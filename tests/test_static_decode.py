@@ -1,0 +1,230 @@
+"""Static-shape decode (`hshare.static_decode`) on the CPU: the same step code a CUDA graph
+captures, run eagerly on buffers sized once (``STATIC_ON_CPU``). Its tokens and work counters must
+equal eager decode's; buffers are sized exactly; what cannot run static says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hshare
+from hshare import static_decode
+from conftest import VOCAB, left_padded, tiny_llama, tiny_mistral
+
+SPARSE = dict(sink=2, local=4, heavy=6)
+
+
+@pytest.fixture(autouse=True)
+def _static_on_cpu(monkeypatch):
+    monkeypatch.setattr(static_decode, "STATIC_ON_CPU", True)
+
+
+def _generate(model, ids, mask, new_tokens=8, **kwargs):
+    kwargs.setdefault("do_sample", False)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          pad_token_id=0, **kwargs)
+
+
+def _run(model, preset, ids, mask, static: bool, new_tokens=8, seed=None, **overrides):
+    """Tokens and cache of one patched generate, static shapes on or off."""
+    hshare.patch(model, preset, cuda_graphs=static, **overrides)
+    cache = hshare.new_cache(model)
+    kwargs = {}
+    if seed is not None:
+        torch.manual_seed(seed)
+        kwargs = dict(do_sample=True, top_k=20)
+    out = _generate(model, ids, mask, new_tokens, past_key_values=cache, **kwargs)
+    hshare.unpatch(model)
+    return out, cache
+
+
+def _same_work(static_cache, eager_cache) -> None:
+    ours, theirs = static_cache.stats, eager_cache.stats
+    for name in ("decode_steps", "sparse_steps", "dense_fallback_steps", "selection_steps", "score_computations",
+                 "plans", "kv_rows_read", "dense_kv_rows"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    # static shapes score every reserved column: scorings x reserve
+    assert ours.scored_tokens == ours.score_computations * static_cache.reserve
+
+
+@pytest.mark.parametrize("preset,overrides", [
+    ("dense", {}),
+    ("ds", SPARSE),
+    ("hshare-1_2-1_2-1_2", SPARSE),
+    ("hshare-7_8-3_4-1_2", dict(SPARSE, plan_scope="sample")),
+    ("hshare-1_2-1_2-1_2", dict(SPARSE, selection="query_head", group_lookahead=True)),
+    ("streaming", dict(sink=2, local=6)),
+    ("random-1_2-1_2-1_2", SPARSE),
+])
+def test_static_shapes_equal_eager(preset, overrides):
+    model = tiny_llama(kv_heads=2, layers=4)
+    ids, mask = left_padded([31, 18, 26, 9])
+    eager, eager_cache = _run(model, preset, ids, mask, static=False, **overrides)
+    static, cache = _run(model, preset, ids, mask, static=True, **overrides)
+    assert cache.static_decode.reason == "" and cache.static_decode.eager_steps == 7
+    assert torch.equal(static, eager)
+    _same_work(cache, eager_cache)
+    if preset == "dense":
+        assert torch.equal(static, _generate(model, ids, mask))
+
+
+def test_budget_covering_context_and_mha_equal_unpatched():
+    model = tiny_llama(kv_heads=4, heads=4)
+    ids, mask = left_padded([12, 7])
+    reference = _generate(model, ids, mask)
+    static, cache = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True, sink=4, local=8, heavy=16)
+    assert cache.static_decode.reason == ""
+    assert torch.equal(static, reference)
+
+
+def test_seeded_sampling_equals_eager():
+    model = tiny_llama()
+    ids, mask = left_padded([30, 21])
+    eager, _ = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=False, seed=3, **SPARSE)
+    static, _ = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True, seed=3, **SPARSE)
+    assert torch.equal(static, eager)
+
+
+@pytest.mark.parametrize("preset", ["dense", "ds"])
+def test_shared_prefix_equals_eager(preset):
+    model = tiny_llama()
+    generator = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, VOCAB, (40,), generator=generator)
+    prompts = [torch.cat((prefix, torch.randint(3, VOCAB, (n,), generator=generator))) for n in (6, 3, 9)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    overrides = dict(prefix="on", **({} if preset == "dense" else SPARSE))
+    eager, eager_cache = _run(model, preset, ids, mask, static=False, **overrides)
+    static, cache = _run(model, preset, ids, mask, static=True, **overrides)
+    assert cache.prefix is not None and cache.static_decode.reason == ""
+    assert torch.equal(static, eager)
+    _same_work(cache, eager_cache)
+    if preset == "dense":
+        assert torch.equal(static, _generate(model, ids, mask))
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_mistral_equals_unpatched(window):
+    model = tiny_mistral(sliding_window=window)
+    ids, mask = left_padded([26, 15])
+    reference = _generate(model, ids, mask, new_tokens=10)
+    static, cache = _run(model, "dense", ids, mask, static=True, new_tokens=10, prefix="off")
+    assert cache.static_decode.reason == ""
+    assert torch.equal(static, reference)
+
+
+def test_buffers_are_sized_exactly_once():
+    model = tiny_llama(kv_heads=2, layers=3)
+    ids, mask = left_padded([22, 15])
+    new_tokens = 9
+    _, cache = _run(model, "ds", ids, mask, static=True, new_tokens=new_tokens, **SPARSE)
+    reserve = ids.shape[1] + new_tokens
+    assert cache.reserve == cache.static_decode.reserved == reserve
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    for layer in cache.layers:
+        assert layer._keys.storage.shape == (2, 2, reserve, head_dim)
+        assert layer._values.storage.shape == (2, 2, reserve, head_dim)
+        for buffer in layer.policy.buffers:
+            assert buffer.capacity == reserve
+    # every token written: the last decode step's token sits in the last column but one (the final
+    # token is sampled, not fed back)
+    assert cache.get_seq_length() == reserve - 1
+    kv = 3 * 2 * (2 * 2 * reserve * head_dim * 4)
+    labels = sum(b.reserved_bytes() for layer in cache.layers for b in layer.policy.buffers)
+    assert cache.reserved_bytes() == kv + labels
+
+
+def test_outgrowing_the_reserve_goes_on_eagerly(monkeypatch):
+    model = tiny_llama()
+    ids, mask = left_padded([25, 17])
+    eager, _ = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=False, new_tokens=10, **SPARSE)
+    budget = static_decode.new_token_budget
+    monkeypatch.setattr(static_decode, "new_token_budget", lambda *a: budget(*a) - 4)
+    import hshare.api as api
+    monkeypatch.setattr(api, "new_token_budget", static_decode.new_token_budget)
+    static, cache = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True, new_tokens=10, **SPARSE)
+    assert "outgrew its reserved" in cache.static_decode.reason
+    assert torch.equal(static, eager)
+    assert cache.static is None and cache.layers[0]._keys.capacity > cache.reserve  # grew after thawing
+
+
+@pytest.mark.parametrize("setup,reason", [
+    (dict(preset="quest", overrides=dict(sink=2, local=4, heavy=8, page_size=4)), "policy='quest'"),
+    (dict(preset="ds", overrides=dict(SPARSE, cuda_graphs=False)), "cuda_graphs=False"),
+    (dict(preset="ds", overrides=SPARSE, generate=dict(num_beams=2)), "beam search"),
+    (dict(preset="dense", overrides={}, generate=dict(output_attentions=True, return_dict_in_generate=True)),
+     "output_hidden_states"),
+])
+def test_what_cannot_run_static_says_why(setup, reason):
+    model = tiny_llama()
+    ids, mask = left_padded([20, 14])
+    hshare.patch(model, setup["preset"], **setup["overrides"])
+    cache = hshare.new_cache(model)
+    generate = dict(setup.get("generate", {}))
+    if "output_attentions" in generate:  # attentions need eager attention: ask for hidden states instead
+        generate.pop("output_attentions")
+        generate["output_hidden_states"] = True
+        reason = "output_hidden_states"
+    _generate(model, ids, mask, past_key_values=cache, **generate)
+    hshare.unpatch(model)
+    assert reason in cache.static_decode.reason
+
+
+def test_cache_implementation_static_gets_hshare_cache():
+    model = tiny_llama()
+    ids, mask = left_padded([20, 13])
+    reference = _generate(model, ids, mask)
+    hshare.patch(model, "dense", prefix="off")
+    seen = []
+    original = static_decode.StaticDecoder._decode
+
+    def spy(self, cache, kwargs):
+        seen.append(cache)
+        return original(self, cache, kwargs)
+
+    static_decode.StaticDecoder._decode = spy
+    try:
+        out = _generate(model, ids, mask, cache_implementation="static")
+        model.generation_config.cache_implementation = "static"
+        out_config = _generate(model, ids, mask)
+    finally:
+        static_decode.StaticDecoder._decode = original
+        model.generation_config.cache_implementation = None
+    assert torch.equal(out, reference) and torch.equal(out_config, reference)
+    assert seen and all(isinstance(c, hshare.HShareCache) for c in seen)
+    with pytest.raises(ValueError, match="cache_implementation='offloaded'.*accepted"):
+        _generate(model, ids, mask, cache_implementation="offloaded")
+    hshare.unpatch(model)
+
+
+def test_repeated_calls_with_other_shapes_get_fresh_buffers():
+    model = tiny_llama()
+    small, large = left_padded([20, 9]), left_padded([33, 21, 30])
+    hshare.patch(model, "hshare-1_2-1_2-1_2", **SPARSE)
+    first = _generate(model, *small, new_tokens=5)
+    second = _generate(model, *large, new_tokens=11)
+    again = _generate(model, *small, new_tokens=5)
+    hshare.patch(model, "hshare-1_2-1_2-1_2", cuda_graphs=False, **SPARSE)
+    eager = _generate(model, *large, new_tokens=11)
+    hshare.unpatch(model)
+    assert torch.equal(first, again) and torch.equal(second, eager)
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_qwen2_window_only_where_layers_slide(sliding):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         use_sliding_window=sliding, sliding_window=16, max_window_layers=0, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2)
+    model = Qwen2ForCausalLM(config).eval()
+    ids, mask = left_padded([24, 13])
+    reference = _generate(model, ids, mask, new_tokens=6)
+    static, cache = _run(model, "dense", ids, mask, static=True, new_tokens=6, prefix="off")
+    assert cache.static_decode.reason == ""
+    assert torch.equal(static, reference)
