@@ -173,7 +173,7 @@ def patch(model, config: HShareConfig | str | os.PathLike | None = None, **overr
     """Make `model` decode with HShare sparse attention.
 
     Args:
-        model: a transformers Llama or Mistral causal LM.
+        model: a transformers causal LM of a supported architecture (`hshare.patches.ADAPTERS`).
         config: an `HShareConfig`, a preset name (``hshare.preset_names()``), or a YAML path;
             default ``"hshare-1_2-1_2-1_2"``.
         **overrides: `HShareConfig` fields replacing the config's (``heavy=432, sink=16``).

@@ -40,10 +40,12 @@ class SelectionPolicy(Protocol):
             `hshare.cache.DecodeStats` counter ``scored_tokens`` or ``scored_pages`` it adds to).
         sel_heads: H_sel, the heads scores are computed for.
         length: cached columns the metadata covers.
+        supports_static: whether `write` works (static-shape decode, `hshare.static_decode`).
     """
 
     unit: str
     sel_heads: int
+    supports_static: bool
 
     @property
     def length(self) -> int: ...

@@ -111,7 +111,7 @@ def static_decode_unsupported(model, cache: HShareCache, kwargs: dict) -> str | 
     devices = set(getattr(model, "hf_device_map", {}).values())
     if len(devices) > 1:
         return f"the model is spread over devices {sorted(map(str, devices))}"
-    if config.sparse and config.policy != "labels":
+    if config.sparse and config.policy == "quest":
         return f"policy={config.policy!r} has no static-shape decode (its page slots grow with the length)"
     if (_generation_setting(model, kwargs, "num_beams") or 1) > 1:
         return "beam search reorders the cache every step"

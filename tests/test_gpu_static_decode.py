@@ -12,11 +12,12 @@ import torch
 
 import hshare
 from hshare import static_decode
-from conftest import left_padded, tiny_llama, tiny_mistral
+from conftest import VOCAB, left_pad, left_padded, tiny_llama, tiny_mistral
+from test_static_decode import _generate, _run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-SPARSE = dict(sink=2, local=4, heavy=6, dense_fallback_mib=0)
+SPARSE = dict(sink=2, local=4, heavy=6, dense_fallback_mib=0)  # sparse from the first step on CUDA
 
 
 @pytest.fixture(autouse=True)
@@ -25,23 +26,6 @@ def _exact_float32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
-
-
-def _generate(model, ids, mask, new_tokens=12, **kwargs):
-    kwargs.setdefault("do_sample", False)
-    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          pad_token_id=0, **kwargs)
-
-
-def _patched_tokens(model, preset, ids, mask, graphs: bool, seed=None, **overrides):
-    hshare.patch(model, preset, cuda_graphs=graphs, **overrides)
-    cache = hshare.new_cache(model)
-    if seed is not None:
-        torch.manual_seed(seed)
-    kwargs = dict(do_sample=True, top_k=20) if seed is not None else {}
-    out = _generate(model, ids, mask, past_key_values=cache, **kwargs)
-    hshare.unpatch(model)
-    return out, cache
 
 
 def _batch(lengths, device="cuda"):
@@ -54,8 +38,8 @@ def _batch(lengths, device="cuda"):
 def test_dense_graphs_equal_unpatched(dtype, lengths):
     model = tiny_llama(dtype=dtype).cuda()
     ids, mask = _batch(lengths)
-    reference = _generate(model, ids, mask)
-    out, cache = _patched_tokens(model, "dense", ids, mask, graphs=True, prefix="off")
+    reference = _generate(model, ids, mask, new_tokens=12)
+    out, cache = _run(model, "dense", ids, mask, static=True, new_tokens=12, prefix="off")
     assert cache.static_decode.reason == "" and cache.static_decode.graphed_steps >= 9
     assert torch.equal(out, reference)
 
@@ -65,8 +49,8 @@ def test_dense_graphs_equal_unpatched(dtype, lengths):
 def test_sparse_graphs_equal_eager(preset, scope):
     model = tiny_llama(kv_heads=2, layers=4).cuda()
     ids, mask = _batch([60, 44, 51, 37])
-    eager, eager_cache = _patched_tokens(model, preset, ids, mask, graphs=False, plan_scope=scope, **SPARSE)
-    graphed, cache = _patched_tokens(model, preset, ids, mask, graphs=True, plan_scope=scope, **SPARSE)
+    eager, eager_cache = _run(model, preset, ids, mask, static=False, new_tokens=12, plan_scope=scope, **SPARSE)
+    graphed, cache = _run(model, preset, ids, mask, static=True, new_tokens=12, plan_scope=scope, **SPARSE)
     assert cache.static_decode.reason == "", cache.static_decode
     assert torch.equal(graphed, eager)
     ours, theirs = cache.stats, eager_cache.stats
@@ -78,29 +62,24 @@ def test_sparse_graphs_equal_eager(preset, scope):
 def test_seeded_sampling_graphs_equal_eager():
     model = tiny_llama().cuda()
     ids, mask = _batch([50, 33])
-    eager, _ = _patched_tokens(model, "hshare-1_2-1_2-1_2", ids, mask, graphs=False, seed=7, **SPARSE)
-    graphed, _ = _patched_tokens(model, "hshare-1_2-1_2-1_2", ids, mask, graphs=True, seed=7, **SPARSE)
+    eager, _ = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=False, new_tokens=12, seed=7, **SPARSE)
+    graphed, _ = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True, new_tokens=12, seed=7, **SPARSE)
     assert torch.equal(graphed, eager)
 
 
 @pytest.mark.parametrize("preset", ["dense", "ds"])
 def test_shared_prefix_graphs(preset):
     model = tiny_llama().cuda()
-    prefix = torch.randint(3, 150, (48,))
-    prompts = [torch.cat((prefix, torch.randint(3, 150, (n,)))) for n in (5, 9, 2)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    prefix = torch.randint(3, VOCAB, (48,))
+    ids, mask = left_pad([torch.cat((prefix, torch.randint(3, VOCAB, (n,)))) for n in (5, 9, 2)])
     ids, mask = ids.cuda(), mask.cuda()
     overrides = dict(prefix="on", **({} if preset == "dense" else SPARSE))
-    eager, _ = _patched_tokens(model, preset, ids, mask, graphs=False, **overrides)
-    graphed, cache = _patched_tokens(model, preset, ids, mask, graphs=True, **overrides)
+    eager, _ = _run(model, preset, ids, mask, static=False, new_tokens=12, **overrides)
+    graphed, cache = _run(model, preset, ids, mask, static=True, new_tokens=12, **overrides)
     assert cache.prefix is not None and cache.static_decode.reason == "", cache.static_decode
     assert torch.equal(graphed, eager)
     if preset == "dense":
-        assert torch.equal(graphed, _generate(model, ids, mask))
+        assert torch.equal(graphed, _generate(model, ids, mask, new_tokens=12))
 
 
 def test_mistral_sliding_window_graphs_equal_unpatched():
@@ -149,16 +128,16 @@ def test_no_host_sync_in_a_replayed_step(monkeypatch, preset):
         return out
 
     monkeypatch.setattr(static_decode.StaticDecoder, "_decode", strict)
-    _, cache = _patched_tokens(model, preset, ids, mask, graphs=True, **({} if preset == "dense" else SPARSE))
+    _, cache = _run(model, preset, ids, mask, static=True, new_tokens=12, **({} if preset == "dense" else SPARSE))
     assert cache.static_decode.reason == "" and len(checked) >= 8
 
 
 def test_outgrown_generation_goes_on_eagerly(monkeypatch):
     model = tiny_llama().cuda()
     ids, mask = _batch([40, 28])
-    eager, _ = _patched_tokens(model, "ds", ids, mask, graphs=False, **SPARSE)
+    eager, _ = _run(model, "ds", ids, mask, static=False, new_tokens=12, **SPARSE)
     monkeypatch.setattr(static_decode.StaticDecoder, "__init__", _short_reserve(static_decode.StaticDecoder.__init__))
-    graphed, cache = _patched_tokens(model, "ds", ids, mask, graphs=True, **SPARSE)
+    graphed, cache = _run(model, "ds", ids, mask, static=True, new_tokens=12, **SPARSE)
     assert "outgrew" in cache.static_decode.reason
     assert torch.equal(graphed, eager)
 

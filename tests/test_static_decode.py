@@ -9,7 +9,7 @@ import torch
 
 import hshare
 from hshare import static_decode
-from conftest import VOCAB, left_padded, tiny_llama, tiny_mistral
+from conftest import VOCAB, left_pad, left_padded, tiny_llama, tiny_mistral
 
 SPARSE = dict(sink=2, local=4, heavy=6)
 
@@ -26,7 +26,7 @@ def _generate(model, ids, mask, new_tokens=8, **kwargs):
 
 
 def _run(model, preset, ids, mask, static: bool, new_tokens=8, seed=None, **overrides):
-    """Tokens and cache of one patched generate, static shapes on or off."""
+    """Tokens and cache of one patched generate, static shapes (CUDA graphs on CUDA) on or off."""
     hshare.patch(model, preset, cuda_graphs=static, **overrides)
     cache = hshare.new_cache(model)
     kwargs = {}
@@ -90,12 +90,7 @@ def test_shared_prefix_equals_eager(preset):
     model = tiny_llama()
     generator = torch.Generator().manual_seed(5)
     prefix = torch.randint(3, VOCAB, (40,), generator=generator)
-    prompts = [torch.cat((prefix, torch.randint(3, VOCAB, (n,), generator=generator))) for n in (6, 3, 9)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    ids, mask = left_pad([torch.cat((prefix, torch.randint(3, VOCAB, (n,), generator=generator))) for n in (6, 3, 9)])
     overrides = dict(prefix="on", **({} if preset == "dense" else SPARSE))
     eager, eager_cache = _run(model, preset, ids, mask, static=False, **overrides)
     static, cache = _run(model, preset, ids, mask, static=True, **overrides)
