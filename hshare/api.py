@@ -30,7 +30,7 @@ from hshare.cache import HShareCache
 from hshare.channels import ChannelCalibration, resolve_calibration
 from hshare.config import HShareConfig, resolve_config
 from hshare.patches import adapter_for
-from hshare.shared_generate import generate_with_shared_prefix
+from hshare.shared_generate import generate_with_shared_prefix, generation_setting
 from hshare.static_decode import StaticDecodeReport, StaticDecoder, new_token_budget, static_decode_unsupported
 
 _STATE_ATTR = "_hshare_patch"
@@ -74,14 +74,6 @@ def patch_state(model) -> PatchState | None:
 _HSHARE_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 
 
-def _cache_implementation(model, kwargs: dict) -> str | None:
-    """The cache ``generate`` was asked for (its kwargs, or a generation config's)."""
-    if kwargs.get("cache_implementation") is not None:
-        return kwargs["cache_implementation"]
-    config = kwargs.get("generation_config") or model.generation_config
-    return getattr(config, "cache_implementation", None)
-
-
 @contextlib.contextmanager
 def _without_cache_implementation(model, kwargs: dict) -> Iterator[dict]:
     """`kwargs` without a cache implementation, and none in the generation configs for the call
@@ -105,7 +97,7 @@ def _wrap_generate(model) -> None:
     @functools.wraps(original)
     def generate(*args, **kwargs):
         wants_cache = kwargs.get("use_cache", True) is not False
-        implementation = _cache_implementation(model, kwargs)
+        implementation = generation_setting(model, kwargs, "cache_implementation")
         if not (wants_cache and kwargs.get("past_key_values") is None):
             return _generate(model, original, args, kwargs)
         if implementation not in _HSHARE_CACHE_IMPLEMENTATIONS:

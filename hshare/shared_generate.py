@@ -31,7 +31,8 @@ from hshare.prefix import build_layout, detect_shared_prefix, unpadded_prompts
 from hshare.prefix_store import PrefixLevel, PrefixStore
 
 
-def _setting(model, kwargs: dict, name: str) -> Any:
+def generation_setting(model, kwargs: dict, name: str) -> Any:
+    """A generate setting: the call's keyword, else its generation config's, else the model's."""
     config = kwargs.get("generation_config") or model.generation_config
     return kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
 
@@ -41,7 +42,7 @@ def _prompt_mask(model, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
     mask = kwargs.get("attention_mask")
     if mask is not None:
         return mask
-    pad, eos = _setting(model, kwargs, "pad_token_id"), _setting(model, kwargs, "eos_token_id")
+    pad, eos = generation_setting(model, kwargs, "pad_token_id"), generation_setting(model, kwargs, "eos_token_id")
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     if pad is not None and pad not in eos and bool((input_ids == pad).any()):
         return (input_ids != pad).long()
@@ -55,9 +56,9 @@ def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple
     if (not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point()
             or kwargs.get("inputs_embeds") is not None or kwargs.get("assistant_model") is not None
             or kwargs.get("streamer") is not None
-            or (_setting(model, kwargs, "num_beams") or 1) > 1 or len(args) > 1):
+            or (generation_setting(model, kwargs, "num_beams") or 1) > 1 or len(args) > 1):
         return None
-    repeats = _setting(model, kwargs, "num_return_sequences") or 1
+    repeats = generation_setting(model, kwargs, "num_return_sequences") or 1
     prompt_mask = _prompt_mask(model, input_ids, kwargs)
     ids = input_ids.repeat_interleave(repeats, dim=0)
     prompts = unpadded_prompts(ids, prompt_mask.repeat_interleave(repeats, dim=0))
@@ -69,14 +70,14 @@ def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple
                                   0 if forced else config.prefix_min_saved_tokens)
     if shared.empty:
         return None
-    pad = _setting(model, kwargs, "pad_token_id")
+    pad = generation_setting(model, kwargs, "pad_token_id")
     layout = build_layout(prompts, shared, 0 if pad is None else int(pad))
     extra = layout.input_ids.shape[1] - ids.shape[1]  # the layout may be longer than the padded batch
     window = getattr(model.config, "sliding_window", None)
     if window is not None:
-        new_tokens = _setting(model, kwargs, "max_new_tokens")
+        new_tokens = generation_setting(model, kwargs, "max_new_tokens")
         total = layout.input_ids.shape[1] + (new_tokens if new_tokens is not None
-                                             else (_setting(model, kwargs, "max_length") or 0))
+                                             else (generation_setting(model, kwargs, "max_length") or 0))
         if total > window:
             return None
 
@@ -84,8 +85,8 @@ def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple
     kwargs = {k: v for k, v in kwargs.items() if k not in ("inputs", "input_ids")}
     kwargs.update(attention_mask=layout.attention_mask, num_return_sequences=1, past_key_values=cache)
     for length, new in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
-        if _setting(model, kwargs, new) is None and (_setting(model, kwargs, length) or 0) > 0:
-            kwargs[length] = _setting(model, kwargs, length) + extra
+        if generation_setting(model, kwargs, new) is None and (generation_setting(model, kwargs, length) or 0) > 0:
+            kwargs[length] = generation_setting(model, kwargs, length) + extra
     output = generate(layout.input_ids, **kwargs)
     width = layout.input_ids.shape[1]
     if isinstance(output, torch.Tensor):

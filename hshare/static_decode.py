@@ -44,6 +44,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from hshare.cache import HShareCache
 from hshare.counters import DecodeStats
 from hshare.graphs import StepGraphs
+from hshare.shared_generate import generation_setting
 
 # Static shapes off CUDA (no graphs: every step runs eagerly on the static buffers). Only tests turn
 # it on: it is the CPU check that static-shape decode gives eager decode's tokens.
@@ -87,16 +88,11 @@ def uniform_sliding_window(config) -> int | None:
     return window if getattr(config, "use_sliding_window", True) else None
 
 
-def _generation_setting(model, kwargs: dict, name: str) -> Any:
-    config = kwargs.get("generation_config") or model.generation_config
-    return kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
-
-
 def new_token_budget(model, kwargs: dict, prompt_width: int) -> int | None:
     """Tokens ``generate`` may add: ``max_new_tokens``, else ``max_length`` minus the prompt."""
-    new_tokens = _generation_setting(model, kwargs, "max_new_tokens")
+    new_tokens = generation_setting(model, kwargs, "max_new_tokens")
     if new_tokens is None:
-        max_length = _generation_setting(model, kwargs, "max_length")
+        max_length = generation_setting(model, kwargs, "max_length")
         new_tokens = None if max_length is None else max_length - prompt_width
     return None if new_tokens is None else max(0, int(new_tokens))
 
@@ -113,12 +109,12 @@ def static_decode_unsupported(model, cache: HShareCache, kwargs: dict) -> str | 
         return f"the model is spread over devices {sorted(map(str, devices))}"
     if config.sparse and config.policy == "quest":
         return f"policy={config.policy!r} has no static-shape decode (its page slots grow with the length)"
-    if (_generation_setting(model, kwargs, "num_beams") or 1) > 1:
+    if (generation_setting(model, kwargs, "num_beams") or 1) > 1:
         return "beam search reorders the cache every step"
-    if kwargs.get("assistant_model") is not None or _generation_setting(model, kwargs, "prompt_lookup_num_tokens"):
+    if kwargs.get("assistant_model") is not None or generation_setting(model, kwargs, "prompt_lookup_num_tokens"):
         return "assisted decoding feeds several tokens per step"
     for name in _EAGER_ONLY:
-        if _generation_setting(model, kwargs, name):
+        if generation_setting(model, kwargs, name):
             return f"{name}=True needs the eager forward"
     if cache.get_seq_length():
         return "the cache given to generate already holds tokens"
@@ -137,7 +133,6 @@ class StaticDecoder:
     """
 
     def __init__(self, model, forward, new_tokens: int, report: StaticDecodeReport) -> None:
-        self.model = model
         self.forward = forward
         self.__signature__ = inspect.signature(forward)  # generate reads which inputs the forward takes
         self.new_tokens = new_tokens
