@@ -96,7 +96,8 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         else:
             layer.policy.write(static.column, key.index_select(2, static.column))
     if not sparse or cache.state.dense_fallback:
-        cache.work.add_dense_layer()
+        if not cache.state.dense_fallback:  # a dense step counted its reads once, at its start
+            cache.work.add_dense_layer()
         if cache.prefix is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)

@@ -10,7 +10,7 @@ Paths, in the same process on the same prompts:
 
 Per path: prefill time (a 1-token generate), decode tok/s = rows x (N - 1) / (t(N) - t(1)), warm-up
 (the first N-token call minus a later one: compilation or capture), peak GPU memory of an N-token
-call, KV bytes held, token agreement with ``unpatched`` (share of new tokens equal at the same
+call, KV bytes held, token agreement with the first exact path that ran (``unpatched``, else ``static``) (share of new tokens equal at the same
 position), and for patched paths what static decode did (graph replays, capture time, or why not).
 Models are built on the GPU with random weights (nothing is loaded).
 """
@@ -18,8 +18,10 @@ Models are built on the GPU with random weights (nothing is loaded).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,6 +40,7 @@ SHAPES = {  # (config class, fields): the published models' attention and MLP sh
                            num_key_value_heads=2, vocab_size=256)),
 }
 PATHS = ("unpatched", "static", "dense", "ds@512", "hshare-1_2-1_2-1_2@512")
+EXACT_REFERENCES = ("unpatched", "static")  # the first of these that runs gives the tokens agreement is taken against
 
 
 @dataclass
@@ -95,22 +98,24 @@ def _timed(fn, device: str) -> tuple[float, object]:
 
 
 def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, reference, device: str,
-                 shape: str, shared: bool) -> tuple[GenerateRow, torch.Tensor]:
+                 shape: str, shared: bool, overrides: dict | None = None) -> tuple[GenerateRow, torch.Tensor]:
     """Time one path (see the module docstring); returns the row and the new tokens ``[B, N]``."""
     import hshare
 
     kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
     patched = path not in ("unpatched", "static")
-    context = hshare.patched(model, path, prefix="auto" if shared else "off") if patched else contextlib.nullcontext()
+    context = hshare.patched(model, path, prefix="auto" if shared else "off", **(overrides or {})) if patched \
+        else contextlib.nullcontext()
     if path == "static":
         kwargs["cache_implementation"] = "static"
     caches = []
 
     def generate(tokens: int):
         extra = {}
-        if patched:
-            caches.append(hshare.new_cache(model))
-            extra["past_key_values"] = caches[-1]
+        if patched:  # hold one cache at a time: each is as large as the whole KV of the generation
+            caches[:] = [None]
+            caches[0] = hshare.new_cache(model)
+            extra["past_key_values"] = caches[0]
         return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs, **extra)
 
     with context:
@@ -143,8 +148,10 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
 
 
 def bench_generate(shape: str, batch: int, prompt: int, new_tokens: int, paths=PATHS, shared: bool = False,
-                   layers: int | None = None, device: str = "cuda", dtype=torch.bfloat16) -> list[GenerateRow]:
-    """Every path at one shape; `shared`: all rows are one prompt (the shared prefix held once)."""
+                   layers: int | None = None, device: str = "cuda", dtype=torch.bfloat16,
+                   overrides: dict | None = None) -> list[GenerateRow]:
+    """Every path at one shape; `shared`: all rows are one prompt (the shared prefix held once); `overrides`:
+    `HShareConfig` fields set on every patched path (``dense_fallback_mib=0`` to see sparse decode at any size)."""
     model = build_model(shape, layers, device, dtype, prompt + new_tokens + 8)
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
@@ -161,17 +168,33 @@ def bench_generate(shape: str, batch: int, prompt: int, new_tokens: int, paths=P
     rows, reference = [], None
     for path in paths:
         try:
-            row, new = measure_path(model, path, ids, mask, new_tokens, reference, device, shape, shared)
-            if path == "unpatched":
+            row, new = measure_path(model, path, ids, mask, new_tokens, reference, device, shape, shared, overrides)
+            if path in EXACT_REFERENCES and reference is None:
                 reference = new
-        except torch.OutOfMemoryError as error:
+        except Exception as error:  # one broken path must not lose the others' numbers
+            if not isinstance(error, torch.OutOfMemoryError):
+                traceback.print_exc()
+            what = "out of memory" if isinstance(error, torch.OutOfMemoryError) else type(error).__name__
             row = GenerateRow(shape, path, batch, prompt, new_tokens, shared, 0.0, 0.0, 0.0, 0.0, 0.0, None,
-                              error=f"out of memory: {str(error).splitlines()[0]}")
-        if device == "cuda":
-            torch.cuda.empty_cache()
+                              error=f"{what}: {str(error).splitlines()[0] if str(error) else ''}")
+        release_memory(device)
         rows.append(row)
-        print_row(row, rows[0])
+        print_row(row, baseline(rows))
     return rows
+
+
+def release_memory(device: str) -> None:
+    """Drop what a path left behind (compiled graphs and their memory pools, freed blocks) before the next."""
+    gc.collect()
+    if device == "cuda":
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def baseline(rows: list[GenerateRow]) -> GenerateRow:
+    """The row speed ratios are taken against: transformers' compiled ``static`` path when it ran, else the first."""
+    return next((r for r in rows if r.path == "static" and not r.error), rows[0])
 
 
 def print_row(row: GenerateRow, base: GenerateRow) -> None:
@@ -189,7 +212,7 @@ def print_row(row: GenerateRow, base: GenerateRow) -> None:
 
 
 def main(out: Path, shape: str, batch: int, prompt: int, new_tokens: int, paths, shared: bool, layers: int | None,
-         smoke: bool) -> dict:
+         smoke: bool, overrides: dict | None = None) -> dict:
     from hshare.bench import environment
 
     device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
@@ -198,9 +221,11 @@ def main(out: Path, shape: str, batch: int, prompt: int, new_tokens: int, paths,
         shape, batch, prompt, new_tokens, layers = "tiny", 2, 40, 4, None
     print(f"generate: {shape}{f' ({layers} layers)' if layers else ''}, B{batch}, prompt {prompt}"
           f"{' (one prompt, shared)' if shared else ''}, {new_tokens} new tokens, {dtype}, {device}")
-    rows = bench_generate(shape, batch, prompt, new_tokens, paths, shared, layers, device, dtype)
-    results = {"env": environment(), "generate": [asdict(r) for r in rows]}
+    rows = bench_generate(shape, batch, prompt, new_tokens, paths, shared, layers, device, dtype, overrides)
+    if overrides:
+        print(f"  (patched paths with {overrides})")
+    results = {"env": environment(), "overrides": overrides or {}, "generate": [asdict(r) for r in rows]}
     out.mkdir(parents=True, exist_ok=True)
-    name = f"bench_generate_{shape}_b{batch}_p{prompt}{'_shared' if shared else ''}"
+    name = f"bench_generate_{shape}{f'_l{layers}' if layers else ''}_b{batch}_p{prompt}{'_shared' if shared else ''}"
     (out / f"{name}.json").write_text(json.dumps(results, indent=1))
     return results

@@ -171,6 +171,9 @@ class HShareCache(Cache):
         self._prefix_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
         self.static: StaticColumns | None = None
         self.static_decode = None  # hshare.static_decode.StaticDecodeReport of the generate that filled it
+        # Decided at the own prefill of a reserved cache: True when even the reserved final length stays
+        # below the dense fallback, so every decode step is dense and no label is ever made or written.
+        self.dense_throughout: bool | None = None
 
     @property
     def stats(self) -> DecodeStats:
@@ -222,7 +225,7 @@ class HShareCache(Cache):
         """Reserve `reserve` own columns per row at the first allocation (before the own prefill)."""
         if self.layers[0]._keys.storage is not None:
             raise RuntimeError("set_reserve must come before the first token is cached")
-        self.reserve = reserve
+        self.reserve, self.dense_throughout = reserve, None  # decided anew at the next own prefill
         for layer in self.layers:
             layer.reserve = reserve
             layer._keys.reserve = layer._values.reserve = reserve
@@ -302,7 +305,8 @@ class HShareCache(Cache):
 
     # ---- layer roles --------------------------------------------------------------------
     def is_sparse_layer(self, layer: int) -> bool:
-        return layer in self._sparse
+        """Whether `layer` keeps selection metadata and may attend sparsely (never when `dense_throughout`)."""
+        return layer in self._sparse and not self.dense_throughout
 
     @property
     def collects_evidence(self) -> bool:
@@ -318,6 +322,11 @@ class HShareCache(Cache):
         self.state.begin_prefill()
         for layer in self.layers:
             layer.heavy = None
+        keys = self.layers[0]._keys.storage
+        if self.dense_throughout is None and self.reserve and self.sparse_layers and keys is not None \
+                and not self.filling_prefix:
+            fallback = self.config.dense_fallback_bytes(keys.device)
+            self.dense_throughout = self._layer_kv_bytes(keys.shape[0], self.reserve) < fallback
 
     def schedule_step(self, batch: int, columns: int, device: torch.device) -> str:
         """Decide the next decode step's kind on the host (`hshare.step.DecodeStep.schedule`) and
@@ -327,8 +336,9 @@ class HShareCache(Cache):
             columns: own columns of every row at this step (the new token included).
         """
         state, config = self.state, self.config
-        kind = state.schedule(config, self.counts, bool(self.sparse_layers), self._layer_kv_bytes(batch, columns),
-                              device)
+        # dense throughout: no labels were made, so every step (one past an outgrown reserve too) is dense
+        kv_bytes = 0 if self.dense_throughout else self._layer_kv_bytes(batch, columns)
+        kind = state.schedule(config, self.counts, bool(self.sparse_layers), kv_bytes, device)
         if kind != "dense" and state.plan is None:
             state.make_plan(config, self.counts, self.sparse_layers, self.num_layers, self.sel_heads, batch, device)
             for layer in self.layers:

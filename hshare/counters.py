@@ -68,8 +68,9 @@ class WorkCounters:
 
     Each decode step adds, once, what dense attention reads (``begin_step``: the rows' valid keys,
     a device scalar, x Hkv x layers), what the prefix levels cost, and whether any row is longer
-    than the budget; each layer adds what it read: every valid own key (`add_dense_layer`) or the
-    valid entries of its critical indices (`add_indices`). One int64 ``[3]`` tensor per device,
+    than the budget. A dense step (every layer reads every valid own key) adds its reads there too,
+    in one kernel; in a sparse step each layer adds what it read: every valid own key
+    (`add_dense_layer`) or the valid entries of its critical indices (`add_indices`). One int64 ``[3]`` tensor per device,
     updated in place (a captured step updates it on every replay); `totals` syncs once.
 
     Args:
@@ -97,11 +98,14 @@ class WorkCounters:
             layers: the model's layers (each one attends once per step).
             prefix_tokens: None, or the prefix levels' ``(valid tokens summed over the groups that
                 have rows, valid tokens summed over the rows' groups)`` (device scalars).
-            sparse_rows: ``[B]`` bool, rows attended sparsely at this step (None = a dense step).
+            sparse_rows: ``[B]`` bool, rows attended sparsely at this step (None = a dense step: its
+                reads are counted here, and its layers add nothing).
         """
         self.own_keys = own_keys
         work = self.on(own_keys.device)
         work[_DENSE_KV_ROWS].add_(own_keys, alpha=layers * self.kv_heads)
+        if sparse_rows is None:
+            work[_KV_ROWS_READ].add_(own_keys, alpha=layers * self.kv_heads)
         if prefix_tokens is not None:
             work[_KV_ROWS_READ].add_(prefix_tokens[0].to(work.device), alpha=layers * self.kv_heads)
             work[_DENSE_KV_ROWS].add_(prefix_tokens[1].to(work.device), alpha=layers * self.kv_heads)
@@ -109,7 +113,7 @@ class WorkCounters:
             work[_SPARSE_STEPS].add_(sparse_rows.any())
 
     def add_dense_layer(self) -> None:
-        """A layer of this step read every valid own key of every row, from every KV head."""
+        """A dense layer of a sparse step read every valid own key of every row, from every KV head."""
         self.on(self.own_keys.device)[_KV_ROWS_READ].add_(self.own_keys, alpha=self.kv_heads)
 
     def add_indices(self, indices: torch.Tensor) -> None:

@@ -146,6 +146,38 @@ def test_outgrowing_the_reserve_goes_on_eagerly(monkeypatch):
     assert cache.static is None and cache.layers[0]._keys.capacity > cache.reserve  # grew after thawing
 
 
+@pytest.mark.parametrize("outgrow", [False, True])
+def test_generation_below_the_dense_fallback_makes_no_labels(monkeypatch, outgrow):
+    """A reserve whose final length stays below the dense fallback decodes densely throughout: no label
+    is made or written, the tokens are the unpatched model's, also past an outgrown reserve (where the
+    length would cross the fallback: with no labels it must stay dense)."""
+    model = tiny_llama(kv_heads=2, layers=3)
+    ids, mask = left_padded([27, 16])
+    new_tokens = 10
+    reference = _generate(model, ids, mask, new_tokens=new_tokens)
+    if outgrow:
+        budget = static_decode.new_token_budget
+        monkeypatch.setattr(static_decode, "new_token_budget", lambda *a: budget(*a) - 4)
+        import hshare.api as api
+        monkeypatch.setattr(api, "new_token_budget", static_decode.new_token_budget)
+    reserve = ids.shape[1] + new_tokens - (4 if outgrow else 0)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    layer_bytes = 2 * reserve * 2 * head_dim * 4 * 2  # rows x columns x KV heads x d x float32 x (K, V)
+    fallback_mib = (layer_bytes + 1) / 2**20  # the reserve is below it, one more column is not
+    static, cache = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True, new_tokens=new_tokens,
+                         dense_fallback_mib=fallback_mib, **SPARSE)
+    assert cache.dense_throughout is True
+    assert all(layer.policy is None for layer in cache.layers)
+    stats = cache.stats
+    assert stats.sparse_steps == 0 and stats.dense_fallback_steps == stats.decode_steps == new_tokens - 1
+    assert torch.equal(static, reference)
+    assert ("outgrew its reserved" in cache.static_decode.reason) == outgrow
+    # a reserve one column over the fallback makes labels (and the eager path always does)
+    _, above = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True, new_tokens=new_tokens,
+                    dense_fallback_mib=(layer_bytes - 1) / 2**20, **SPARSE)
+    assert above.dense_throughout is False and all(layer.policy is not None for layer in above.layers)
+
+
 @pytest.mark.parametrize("setup,reason", [
     (dict(preset="quest", overrides=dict(sink=2, local=4, heavy=8, page_size=4)), "policy='quest'"),
     (dict(preset="ds", overrides=dict(SPARSE, cuda_graphs=False)), "cuda_graphs=False"),

@@ -1,0 +1,91 @@
+"""Where a decode step's GPU time goes, per kernel, for unpatched and patched presets (on the GPU).
+
+For each path: profile a ``generate`` of N + 1 new tokens and one of 1 new token (the prefill), subtract
+their per-kernel CUDA totals and divide by N: the kernels of one decode step. Patched presets run
+eagerly (``cuda_graphs=False``) unless ``--graphs`` (the profiler sees the kernels inside graph replays too). Prints the step's GPU milliseconds and its heaviest kernels, and writes JSON.
+
+Run: ``python3 benchmarks/profile_decode.py --shape llama2-7b --layers 8 --batch 16 --prompt 4096``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import hshare
+from hshare.bench_generate import build_model
+
+
+def kernel_totals(model, ids, mask, tokens: int, **kwargs) -> Counter:
+    """CUDA microseconds per kernel name over one ``generate`` of `tokens` new tokens."""
+    cuda = ids.is_cuda
+    activity, kind = (ProfilerActivity.CUDA, torch.autograd.DeviceType.CUDA) if cuda else \
+        (ProfilerActivity.CPU, torch.autograd.DeviceType.CPU)  # CPU: a smoke run of the script itself
+    with profile(activities=[activity]) as prof:
+        model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                       pad_token_id=0, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+    totals = Counter()
+    for event in prof.key_averages():
+        if event.device_type == kind:
+            totals[event.key] += event.device_time_total if cuda else event.self_cpu_time_total
+    return totals
+
+
+def step_kernels(model, path: str, ids, mask, steps: int, graphs: bool) -> Counter:
+    def run(tokens):
+        if path == "unpatched":
+            return kernel_totals(model, ids, mask, tokens)
+        return kernel_totals(model, ids, mask, tokens, past_key_values=hshare.new_cache(model))
+
+    context = hshare.patched(model, path, prefix="off", cuda_graphs=graphs) if path != "unpatched" else None
+    if context:
+        context.__enter__()
+    try:
+        run(4)  # warm-up: Triton compilation, autotuning
+        long, short = run(steps + 1), run(1)
+    finally:
+        if context:
+            context.__exit__(None, None, None)
+    return Counter({k: (long[k] - short.get(k, 0.0)) / steps for k in long if long[k] - short.get(k, 0.0) > 0})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama2-7b")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--paths", default="unpatched,dense,ds@512,hshare-1_2-1_2-1_2@512")
+    parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--graphs", action="store_true", help="patched paths replay CUDA graphs (default: eager)")
+    args = parser.parse_args()
+    model = build_model(args.shape, args.layers, args.device, torch.bfloat16, args.prompt + args.steps + 16)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), generator=generator).to(args.device)
+    mask = torch.ones_like(ids)
+    results = {}
+    for path in args.paths.split(","):
+        kernels = step_kernels(model, path, ids, mask, args.steps, args.graphs)
+        total = sum(kernels.values())
+        results[path] = {"step_ms": total / 1e3, "kernels_us": dict(kernels.most_common())}
+        print(f"\n{path}: {total / 1e3:.2f} ms of GPU work per decode step ({args.layers} layers)")
+        for name, us in kernels.most_common(args.top):
+            print(f"  {us:9.1f} us  {us / total:6.1%}  {name[:110]}")
+    out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_decode_{args.shape}_l{args.layers}_b{args.batch}_p{args.prompt}{'_graphs' if args.graphs else ''}.json").write_text(
+        json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
