@@ -96,6 +96,13 @@ def _wrap_generate(model) -> None:
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
+        if generation_setting(model, kwargs, "output_attentions"):
+            raise ValueError(
+                "output_attentions=True on an hshare-patched model: its attention returns no weights (decode "
+                "attends to critical tokens only, prefill and dense steps run SDPA); accepted: "
+                "output_attentions=False, or hshare.unpatch(model) (or `with hshare.patched(...)` around the "
+                "calls that should be patched) to get the weights"
+            )
         wants_cache = kwargs.get("use_cache", True) is not False
         implementation = generation_setting(model, kwargs, "cache_implementation")
         if not (wants_cache and kwargs.get("past_key_values") is None):

@@ -9,7 +9,8 @@
 
 Falls back to the ordinary path (returns None) where sharing does not apply: beam search and
 assisted decoding (rows are regrouped by beam scores; the prefix would need a beam-aware layout),
-``inputs_embeds``, a streamer (it would be handed the rearranged prompt), a sliding window
+``inputs_embeds``, a streamer or ``output_hidden_states`` (they would be handed the rearranged
+prompt's own columns, not the caller's), a sliding window
 shorter than the sequence (the prefix must stay inside every row's window), no prefix worth
 sharing under the config's rule.
 
@@ -55,7 +56,7 @@ def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple
     input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if (not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point()
             or kwargs.get("inputs_embeds") is not None or kwargs.get("assistant_model") is not None
-            or kwargs.get("streamer") is not None
+            or kwargs.get("streamer") is not None or generation_setting(model, kwargs, "output_hidden_states")
             or (generation_setting(model, kwargs, "num_beams") or 1) > 1 or len(args) > 1):
         return None
     repeats = generation_setting(model, kwargs, "num_return_sequences") or 1

@@ -41,6 +41,7 @@ EXAMPLES = {
     "model_exact": (60, 400),
     "model_invariants": (100, 600),
     "model_rows_alone": (20, 150),
+    "model_static_shapes": (20, 300),
 }
 
 _COMMON = dict(

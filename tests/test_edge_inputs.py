@@ -170,40 +170,30 @@ def test_use_cache_false_runs_exact_dense(preset):
 
 
 # ---- output_attentions=True -------------------------------------------------------------------------
-def test_output_attentions_on_an_sdpa_model_behaves_as_unpatched():
-    """transformers' SDPA returns no attention weights (and warns); the patched model the same."""
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_output_attentions_is_refused_by_name(implementation):
+    """A patched model returns no attention weights (sparse decode has none to give): asking for them
+    stops with an error naming output_attentions and how to get them, whatever the model's attention
+    implementation was (unpatched eager returns one tensor per layer and step)."""
     model = tiny_llama()
+    model.set_attn_implementation(implementation)
     ids, mask = left_padded([20, 13])
     kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, output_attentions=True,
                   return_dict_in_generate=True)
     ref = model.generate(ids, **kwargs)
+    if implementation == "eager":
+        assert all(len(step) == LAYERS and step[0] is not None for step in ref.attentions)
     with hshare.patched(model, "ds", **WIDE):
-        out = model.generate(ids, **kwargs)
-    assert torch.equal(out.sequences, ref.sequences)
-    assert [len(step) for step in out.attentions] == [len(step) for step in ref.attentions]
-
-
-@pytest.mark.xfail(strict=True, reason="BUG: a patched eager model given output_attentions=True silently returns no "
-                                       "attention weights (unpatched: one tensor per layer and step), the only "
-                                       "warning names sdpa; fix in hshare/api.py:_wrap_generate (raise a ValueError "
-                                       "naming output_attentions and hshare.unpatch) or hshare/attention.py:"
-                                       "hshare_attention (return the weights on dense paths)")
-def test_output_attentions_on_an_eager_model_is_returned_or_refused():
-    model = tiny_llama()
-    model.set_attn_implementation("eager")
-    ids, mask = left_padded([20, 13])
-    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, output_attentions=True,
-                  return_dict_in_generate=True)
-    ref = model.generate(ids, **kwargs)
-    assert all(len(step) == LAYERS for step in ref.attentions)
-    with hshare.patched(model, "ds", **WIDE):
+        with pytest.raises(ValueError, match="output_attentions.*unpatch"):
+            model.generate(ids, **kwargs)
+        model.generation_config.output_attentions = True  # asked for through the generation config
         try:
-            out = model.generate(ids, **kwargs)
-        except ValueError as error:
-            assert "output_attentions" in str(error) and "unpatch" in str(error)
-            return
-    assert [len(step) for step in out.attentions] == [len(step) for step in ref.attentions], \
-        "attention weights silently dropped"
+            with pytest.raises(ValueError, match="output_attentions"):
+                model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        finally:
+            model.generation_config.output_attentions = False
+    after = model.generate(ids, **kwargs)  # unpatched again: the weights as before
+    assert torch.equal(after.sequences, ref.sequences)
 
 
 # ---- output_hidden_states=True (the other per-position output) -------------------------------------
@@ -231,12 +221,6 @@ def test_output_hidden_states_without_a_shared_prefix_equal_unpatched():
     _assert_same_hidden_states(ref, out)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: with a shared prefix held once, generate(output_hidden_states=True) "
-                                       "silently returns prefill hidden states over the rows' own columns of the "
-                                       "rearranged layout only ([B, 6, h] instead of the caller's [B, 26, h]); fix in "
-                                       "hshare/shared_generate.py:generate_with_shared_prefix (fall back to the "
-                                       "ordinary path, as for a streamer, when output_hidden_states or "
-                                       "output_attentions is set)")
 def test_output_hidden_states_with_a_shared_prefix_cover_the_callers_prompt():
     model = tiny_llama()
     shared = tokens(20, seed=9)

@@ -448,11 +448,11 @@ def test_exact_where_the_result_must_be_exact(scenario):
 
 
 @st.composite
-def invariant_scenarios(draw):
+def invariant_scenarios(draw, presets=tuple(PRESETS), dtypes=("float32", "float64", "float32", "float64", "bfloat16")):
     """Any model (fp32 / fp64 / bf16), any preset with a small budget, prompts around N_c. bf16 is
     drawn less often: its matrix products are slow on CPUs without bf16 units."""
-    spec = draw(ps.model_specs(dtypes=("float32", "float64", "float32", "float64", "bfloat16")))
-    preset = draw(st.sampled_from(PRESETS))
+    spec = draw(ps.model_specs(dtypes=dtypes))
+    preset = draw(st.sampled_from(presets))
     overrides = draw(ps.config_overrides(preset, spec))
     config = hshare.HShareConfig.from_preset(preset).replace(**overrides)
     batch = draw(ps.batches(ps.length_classes(max(config.budget, 1))))
@@ -542,6 +542,50 @@ def test_sparse_rows_decode_as_if_alone(scenario):
             alone_seq, alone_logits = ps.generate(model, alone_ids, torch.ones_like(alone_ids), new_tokens)
             ps.assert_same_generation(alone_seq[:, len(prompt):], alone_logits, seq[row:row + 1, width:],
                                       logits[row:row + 1], 0, 1e-8)
+
+
+@settings(max_examples=ps.examples("model_static_shapes"))
+@given(scenario=invariant_scenarios(presets=tuple(p for p in PRESETS if not p.startswith("quest")),
+                                    dtypes=("float32", "float64")))
+def test_static_shape_decode_equals_eager_decode(scenario):
+    """The static-shape step (buffers reserved at the final length, validity and the token's column
+    as device tensors: what a CUDA graph captures, run eagerly on the CPU) decodes as the eager step
+    does, in any scenario: same tokens and logits up to rounding, same work counters (static shapes
+    score every reserved column: ``scored_tokens`` = scorings x reserve)."""
+    from hshare import static_decode
+
+    spec, preset, overrides, batch, new_tokens = scenario  # fp32 / fp64: compared to rounding (module docstring)
+    model = ps.build_model(spec)
+    ids, mask = batch.tensors()
+    runs = []
+    previous = static_decode.STATIC_ON_CPU
+    static_decode.STATIC_ON_CPU = True
+    try:
+        for graphs in (False, True):
+            with hshare.patched(model, preset, cuda_graphs=graphs, **overrides):
+                cache = hshare.new_cache(model)
+                runs.append((*ps.generate(model, ids, mask, new_tokens, cache=cache), cache))
+    finally:
+        static_decode.STATIC_ON_CPU = previous
+    (eager_seq, eager_logits, eager), (seq, logits, static) = runs
+    event(f"static decode: {'ran' if static.static_decode.reason == '' else static.static_decode.reason}")
+    if new_tokens > 1 and static.reserve:
+        assert static.static_decode.reason == "", static.static_decode.reason
+    ps.assert_same_generation(eager_seq, eager_logits, seq, logits, ids.shape[1],
+                              1e-8 if spec.dtype == "float64" else 2e-5)
+    if torch.equal(seq, eager_seq):
+        ours, theirs = static.stats, eager.stats
+        for name in ("decode_steps", "sparse_steps", "dense_fallback_steps", "selection_steps",
+                     "score_computations", "plans", "dense_kv_rows"):
+            assert getattr(ours, name) == getattr(theirs, name), name
+        if static.config.selection == "query_head":
+            # a step whose rows all fit N_c: eager reads each valid key once per KV head (dense SDPA);
+            # static shapes never read the device to learn that, and gather per query head (GQA x)
+            assert theirs.kv_rows_read <= ours.kv_rows_read <= theirs.kv_rows_read * spec.gqa
+        else:
+            assert ours.kv_rows_read == theirs.kv_rows_read
+        if static.static_decode.reason == "" and static.reserve:
+            assert ours.scored_tokens == ours.score_computations * static.reserve
 
 
 def test_profiles_have_the_promised_sizes():
