@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hshare
-from hshare.bench_generate import build_model
+from hshare.bench.generate import build_model
 
 
 def kernel_totals(model, ids, mask, tokens: int, **kwargs) -> Counter:

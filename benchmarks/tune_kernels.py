@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from hshare.bench import _dense_graph_us, dense_sdpa_us, graph_time_us
+from hshare.bench import dense_graph_us, dense_sdpa_us, graph_time_us
 from hshare.kernels.gather_attention_triton import gather_attention_triton, merge_parts
 from hshare.kernels.prefix_attention_triton import plan_prefix, shared_prefix_decode_states_triton
 from hshare.kernels.shared_decode_triton import shared_decode_attention_triton
@@ -124,7 +124,7 @@ def main() -> None:
         full_k = torch.cat((keys.expand(batch, -1, -1, -1), own_k), 2)
         full_v = torch.cat((values.expand(batch, -1, -1, -1), own_v), 2)
         fastest = min((d := dense_sdpa_us(q[:, :, None], full_k, full_v)), key=d.get)
-        dense = _dense_graph_us(q[:, :, None], full_k, full_v, fastest)
+        dense = dense_graph_us(q[:, :, None], full_k, full_v, fastest)
         print(f"{batch:4d} {prefix:5d} | {dense:7.1f} | {separate:7.1f} | {shared:7.1f} best {fused[chosen]:7.1f} "
               f"{chosen} | {dense / shared:5.2f}x")
         report["step"].append({"batch": batch, "prefix": prefix, "dense_graph_us": dense,

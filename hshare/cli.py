@@ -58,10 +58,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"wrote {bench.plot(Path(args.results))}")
         return 0
     if args.what == "generate":
-        from hshare import bench_generate
-
-        paths = tuple(args.paths.split(",")) if args.paths else bench_generate.PATHS
-        bench_generate.main(Path(args.out), args.shape, args.batch, args.prompt, args.new_tokens, paths, args.shared,
+        paths = tuple(args.paths.split(",")) if args.paths else bench.generate.PATHS
+        bench.main_generate(Path(args.out), args.shape, args.batch, args.prompt, args.new_tokens, paths, args.shared,
                             args.layers, args.smoke,
                             {} if args.dense_fallback_mib is None else {"dense_fallback_mib": args.dense_fallback_mib})
         return 0

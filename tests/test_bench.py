@@ -4,18 +4,43 @@ import json
 
 import pytest
 
-from hshare import bench
+from hshare import cli
+from hshare.bench import attention, generate, plot, prefix
 
 
 @pytest.mark.slow
 def test_bench_smoke(tmp_path):
-    attention = bench.main_attention(tmp_path, smoke=True)
-    prefix = bench.main_prefix(tmp_path, smoke=True)
+    attention_results = attention.main_attention(tmp_path, smoke=True)
+    prefix_results = prefix.main_prefix(tmp_path, smoke=True)
     saved = json.loads((tmp_path / "bench_attention.json").read_text())
-    assert saved["attention"] == attention["attention"]
-    assert {r["preset"] for r in saved["attention"]} == set(bench.PRESETS)
+    assert saved["attention"] == attention_results["attention"]
+    assert {r["preset"] for r in saved["attention"]} == set(attention.PRESETS)
     assert all(r["step_us"] > 0 and r["speedup"] > 0 for r in saved["attention"])
     rows = json.loads((tmp_path / "bench_prefix.json").read_text())["prefix"]
-    assert all(r["max_abs_err"] < 1e-4 for r in rows) and len(rows) == len(bench.SMOKE_PREFIX_SHAPES)
-    memory = prefix["memory"]
+    assert all(r["max_abs_err"] < 1e-4 for r in rows) and len(rows) == len(prefix.SMOKE_PREFIX_SHAPES)
+    memory = prefix_results["memory"]
     assert memory["prefix_tokens"] == 159 and memory["ratio"] > 1.5
+
+
+def test_bench_generate_smoke_plot(tmp_path):
+    """``hshare bench generate --smoke`` writes its JSON and PNG; ``hshare bench plot`` draws the PNG again,
+    relative to ``static``, and relative to the first path when ``static`` failed."""
+    pytest.importorskip("matplotlib")
+    assert cli.main(["bench", "generate", "--smoke", "--out", str(tmp_path), "--paths", "unpatched,static,dense"]) == 0
+    path = tmp_path / "bench_generate_tiny_b2_p40.json"
+    results = json.loads(path.read_text())
+    assert set(results) == {"env", "overrides", "generate"}
+    assert [r["path"] for r in results["generate"]] == ["unpatched", "static", "dense"]
+    assert all(not r["error"] and r["decode_tok_s"] > 0 for r in results["generate"])
+    png = path.with_suffix(".png")
+    assert png.stat().st_size > 0
+    png.unlink()
+    assert cli.main(["bench", "plot", str(path)]) == 0 and png.stat().st_size > 0
+    speed = generate.figure(results).axes[0]
+    assert speed.get_ylabel() == "decode tok/s relative to static" and len(speed.patches) == 3
+
+    results["generate"][1].update(decode_tok_s=0.0, error="out of memory: CUDA out of memory")
+    failed = tmp_path / "static_failed.json"
+    failed.write_text(json.dumps(results))
+    assert plot(failed).stat().st_size > 0
+    assert generate.figure(results).axes[0].get_ylabel() == "decode tok/s relative to unpatched"

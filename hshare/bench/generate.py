@@ -12,20 +12,23 @@ Per path: prefill time (a 1-token generate), decode tok/s = rows x (N - 1) / (t(
 (the first N-token call minus a later one: compilation or capture), peak GPU memory of an N-token
 call, KV bytes held, token agreement with the first exact path that ran (``unpatched``, else ``static``) (share of new tokens equal at the same
 position), and for patched paths what static decode did (graph replays, capture time, or why not).
-Models are built on the GPU with random weights (nothing is loaded).
+Models are built on the GPU with random weights (nothing is loaded). Rows print as they come and
+are written as JSON (and a PNG where matplotlib is installed: each path's decode tok/s relative to
+``static``, peak memory and KV beside it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from hshare.bench.results import environment, write
 
 SHAPES = {  # (config class, fields): the published models' attention and MLP shapes
     "llama2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -211,10 +214,51 @@ def print_row(row: GenerateRow, base: GenerateRow) -> None:
           f"  agree {agreement:>5}  {static}")
 
 
-def main(out: Path, shape: str, batch: int, prompt: int, new_tokens: int, paths, shared: bool, layers: int | None,
-         smoke: bool, overrides: dict | None = None) -> dict:
-    from hshare.bench import environment
+def figure(results: dict, source: str = ""):
+    """Decode tok/s of each path relative to `baseline` (transformers' compiled StaticCache when it
+    ran), one bar per path, and beside it the peak GPU memory and the KV bytes each path held. `source`:
+    the JSON's name, shown in the title (it names a layer cut, which the rows do not)."""
+    import matplotlib.pyplot as plt
 
+    rows = [GenerateRow(**r) for r in results["generate"]]
+    base = baseline(rows)
+    first, x = rows[0], range(len(rows))
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+    ratios = [0.0 if r.error or not base.decode_tok_s else r.decode_tok_s / base.decode_tok_s for r in rows]
+    colors = ["tab:gray" if r.path in EXACT_REFERENCES else "tab:blue" for r in rows]
+    bars = speed.bar(x, ratios, color=colors, edgecolor=["black" if r is base else c for r, c in zip(rows, colors)],
+                     linewidth=1.5)
+    for bar, row, ratio in zip(bars, rows, ratios):
+        label = row.error.split(":")[0] if row.error else f"{ratio:.2f}x\n{row.decode_tok_s:.0f} tok/s"
+        speed.annotate(label, (bar.get_x() + bar.get_width() / 2, ratio), ha="center", va="bottom", fontsize=8,
+                       xytext=(0, 2), textcoords="offset points", color="tab:red" if row.error else "black",
+                       bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=0.5))
+    speed.axhline(1.0, color="black", linewidth=0.8)
+    speed.set_ylim(0, max(ratios + [1.0]) * 1.2)
+    speed.set_ylabel(f"decode tok/s relative to {base.path}")
+    stock = "transformers' compiled StaticCache" if base.path == "static" else \
+        f"{base.path}: static {'failed' if any(r.path == 'static' for r in rows) else 'not run'}"
+    speed.set_title(f"decode speed vs {stock} (gray: transformers, blue: hshare)", fontsize=10)
+    width = 0.4
+    peaks = memory.bar([i - width / 2 for i in x], [r.peak_gib for r in rows], width, label="peak allocated")
+    memory.bar([i + width / 2 for i in x], [r.kv_gib for r in rows], width, label="KV held")
+    memory.bar_label(peaks, ["" if r.error else f"{r.peak_gib:.1f}" for r in rows], fontsize=8)
+    memory.set_ylim(0, max([r.peak_gib for r in rows] + [r.kv_gib for r in rows]) * 1.25 or 1.0)
+    memory.set_ylabel("GiB")
+    memory.set_title("GPU memory of an N-token generate", fontsize=10)
+    memory.legend(fontsize=8, loc="upper center", ncols=2)
+    for ax in (speed, memory):
+        ax.set_xticks(x, [r.path for r in rows], rotation=20, ha="right", fontsize=8)
+    overrides = results.get("overrides") or {}
+    fig.suptitle(f"generate: {first.shape}, B{first.batch}, prompt {first.prompt}"
+                 f"{' (one prompt, shared)' if first.shared_prompt else ''}, {first.new_tokens} new tokens"
+                 f"{f', patched with {overrides}' if overrides else ''} - {results['env'].get('device')}"
+                 f"{f'  [{source}]' if source else ''}", fontsize=11)
+    return fig
+
+
+def main_generate(out: Path, shape: str, batch: int, prompt: int, new_tokens: int, paths, shared: bool,
+                  layers: int | None, smoke: bool, overrides: dict | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if smoke:
@@ -225,7 +269,6 @@ def main(out: Path, shape: str, batch: int, prompt: int, new_tokens: int, paths,
     if overrides:
         print(f"  (patched paths with {overrides})")
     results = {"env": environment(), "overrides": overrides or {}, "generate": [asdict(r) for r in rows]}
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"bench_generate_{shape}{f'_l{layers}' if layers else ''}_b{batch}_p{prompt}{'_shared' if shared else ''}"
-    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    write(results, out, f"bench_generate_{shape}{f'_l{layers}' if layers else ''}_b{batch}_p{prompt}"
+                        f"{'_shared' if shared else ''}")
     return results
