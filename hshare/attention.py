@@ -24,7 +24,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hshare.cache import HShareCache, HShareLayer
-from hshare.kernels import attention_with_lse, gather_attention, merge_attention_states
+from hshare.kernels import attention_with_lse, dense_decode_attention, gather_attention, merge_attention_states
 from hshare.planner import head_similarity, layer_overlaps
 from hshare.policy import SelectionPolicy, new_policy
 from hshare.selection import NO_TOKEN, prefill_middle_windows, select_heavy, valid_columns_from_mask
@@ -99,8 +99,7 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         if not cache.state.dense_fallback:  # a dense step counted its reads once, at its start
             cache.work.add_dense_layer()
         if cache.prefix is None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, **kwargs)
+            return _dense_decode(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         return _decode_attention(cache, layer_idx, query, key, value, cache.own_columns(), scaling), None
     windows = cache.state.windows
     if cache.state.selecting:
@@ -110,11 +109,21 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                  device=query.device)
     if windows.all_short and cache.prefix is None:  # every row fits the budget: exact dense attention
         cache.work.add_dense_layer()
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return _dense_decode(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     indices = windows.critical_indices(layer.heavy)
     cache.work.add_indices(indices)
     return _decode_attention(cache, layer_idx, query, key, value, indices, scaling), None
+
+
+def _dense_decode(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float, scaling: float, **kwargs):
+    """Exact dense attention of a decode step: ``[B, 1, Hq, d]``, None. A GQA model's keys and values are
+    read once (`hshare.kernels.dense_decode_attention`); transformers' SDPA function where that does
+    not apply (dropout in training, a mask that differs by head)."""
+    if dropout == 0.0 and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)):
+        return dense_decode_attention(query, key, value, attention_mask, scaling), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
 
 
 def _keep_heavy(cache: HShareCache, layer: HShareLayer, heavy: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ Triton kernels for CUDA tensors sit beside their twins.
 from __future__ import annotations
 
 from .critical_indices import NO_TOKEN, critical_indices, critical_indices_torch
+from .dense_decode import dense_decode_attention
 from .gather_attention import gather_attention, gather_attention_torch
 from .labels import append_labels, dequantize_labels, label_scores, label_storage_dtype, quantize_labels, score_heads
 from .merge import merge_attention_splits, merge_attention_states
@@ -14,6 +15,7 @@ from .prefix_attention import attention_with_lse, attention_with_lse_torch, shar
 from .shared_decode import PrefixKV, shared_decode_attention, shared_decode_attention_torch
 
 __all__ = [
+    "dense_decode_attention",
     "NO_TOKEN",
     "PrefixKV",
     "critical_indices",
