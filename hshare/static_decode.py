@@ -44,7 +44,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from hshare.cache import HShareCache
 from hshare.counters import DecodeStats
 from hshare.graphs import StepGraphs
-from hshare.shared_generate import generation_setting
+from hshare.shared_generate import generation_setting, uniform_sliding_window
 
 # Static shapes off CUDA (no graphs: every step runs eagerly on the static buffers). Only tests turn
 # it on: it is the CPU check that static-shape decode gives eager decode's tokens.
@@ -76,16 +76,6 @@ class StaticDecodeReport:
     @property
     def graphed_steps(self) -> int:
         return sum(self.replays.values())
-
-
-def uniform_sliding_window(config) -> int | None:
-    """The sliding window every layer applies, or None (full attention; mixed windows are refused
-    when patching, `hshare.patches`)."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return window if window and all(t == "sliding_attention" for t in types) else None
-    return window if getattr(config, "use_sliding_window", True) else None
 
 
 def new_token_budget(model, kwargs: dict, prompt_width: int) -> int | None:

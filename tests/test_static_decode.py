@@ -250,3 +250,24 @@ def test_qwen2_window_only_where_layers_slide(sliding):
     static, cache = _run(model, "dense", ids, mask, static=True, new_tokens=6, prefix="off")
     assert cache.static_decode.reason == ""
     assert torch.equal(static, reference)
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_shared_prefix_declined_only_where_a_window_applies(sliding):
+    """A Qwen2 config names a window its layers do not apply (``use_sliding_window=False``): the shared
+    prefix is held once past that length; with the window applied it is declined (the prefix must stay
+    inside every row's window). Tokens are the unpatched model's either way."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         use_sliding_window=sliding, sliding_window=24, max_window_layers=0, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2)
+    model = Qwen2ForCausalLM(config).eval()
+    prefix = torch.randint(3, VOCAB, (20,))
+    ids, mask = left_pad([torch.cat((prefix, torch.randint(3, VOCAB, (n,)))) for n in (5, 2, 7)])
+    reference = _generate(model, ids, mask, new_tokens=8)  # 27 + 8 tokens: past the window
+    out, cache = _run(model, "dense", ids, mask, static=False, new_tokens=8, prefix="on")
+    assert (cache.prefix is not None and bool(cache.prefix.levels)) == (not sliding)
+    assert torch.equal(out, reference)
