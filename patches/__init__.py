@@ -1,6 +1,7 @@
 """Registry of supported architectures: one adapter per model type, one file each.
 
-Supported: Llama, Mistral, Qwen2, Qwen3, Gemma, Granite, OLMo 2, Phi-3, StarCoder2. `adapter_for`
+Supported: Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma, Granite, OLMo 2, Phi-3,
+StarCoder2. `adapter_for`
 refuses, by name, with the reason and what is accepted, before anything is patched: a model with
 an attention feature hshare does not compute (`hshare.patches.features`: logit soft-capping,
 alternating sliding windows, attention sinks, ...), a model type with no adapter, and a model in
@@ -30,13 +31,16 @@ from .gemma import GEMMA
 from .granite import GRANITE
 from .llama import LLAMA
 from .mistral import MISTRAL
+from .mixtral import MIXTRAL
 from .olmo2 import OLMO2
 from .phi3 import PHI3
 from .qwen2 import QWEN2
+from .qwen2_moe import QWEN2_MOE
 from .qwen3 import QWEN3
+from .qwen3_moe import QWEN3_MOE
 from .starcoder2 import STARCODER2
 
-_BUILT_IN = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GRANITE, OLMO2, PHI3, STARCODER2)
+_BUILT_IN = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, GEMMA, GRANITE, OLMO2, PHI3, STARCODER2)
 ADAPTERS: dict[str, ArchitectureAdapter] = {adapter.model_type: adapter for adapter in _BUILT_IN}
 
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import (DynamicCache, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                           GemmaConfig, GemmaForCausalLM, GptOssConfig, GptOssForCausalLM, GraniteConfig,
-                          GraniteForCausalLM, Olmo2Config, Olmo2ForCausalLM, OlmoConfig, OlmoForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Starcoder2Config, Starcoder2ForCausalLM)
+                          GraniteForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                          OlmoConfig, OlmoForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM, Starcoder2Config, Starcoder2ForCausalLM)
 
 import hshare
 from hshare.patches import ADAPTERS, ArchitectureAdapter, UnsupportedModelError, register
@@ -30,6 +31,15 @@ MODELS = {  # model type: (config class, model class, layers, config, config wit
     "olmo2": (Olmo2Config, Olmo2ForCausalLM, 2, {}, None),  # q/k RMSNorm over all heads, before RoPE
     "phi3": (Phi3Config, Phi3ForCausalLM, 2, {}, dict(sliding_window=24)),  # fused qkv projection
     "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM, 2, {}, dict(sliding_window=24)),  # biases, LayerNorm
+    # mixtures of experts: top-2 of 4 experts after attention (the eager experts: grouped_mm has no float64)
+    "mixtral": (MixtralConfig, MixtralForCausalLM, 2, dict(num_local_experts=4, num_experts_per_tok=2,
+                experts_implementation="eager"), dict(sliding_window=24)),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, 2, dict(num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=64, experts_implementation="eager"),
+                  dict(use_sliding_window=True, sliding_window=24, layer_types=["sliding_attention"] * 2)),
+    # + a gated shared expert; its stock windows alternate by layer (refused by hshare.patches.features)
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, 2, dict(num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, experts_implementation="eager"), QWEN_WINDOW),
 }
 WINDOWED = sorted(name for name, row in MODELS.items() if row[4] is not None)
 
@@ -186,6 +196,8 @@ def _gpt_oss(**config):
     (lambda: tiny("qwen2", windowed=True, max_window_layers=2), "qwen2",
      "alternating sliding windows", "full_attention (layers 0, 1), sliding_attention (layers 2, 3)",
      "max_window_layers=0"),
+    (lambda: tiny("qwen2_moe", use_sliding_window=True, sliding_window=24, max_window_layers=2), "qwen2_moe",
+     "alternating sliding windows", "sliding_attention (layers 0)", "max_window_layers=0"),  # its stock pattern
     (lambda: _gpt_oss(layer_types=["full_attention"] * 2), "gpt_oss", "attention sinks", "GptOssAttention.sinks",
      "without sink"),
     (lambda: tiny("gemma", use_bidirectional_attention=True), "gemma", "bidirectional attention",
@@ -206,7 +218,8 @@ def test_unsupported_attention_is_refused_by_name_before_patching(build, model_t
 def test_other_models_are_refused_until_registered():
     model = OlmoForCausalLM(OlmoConfig(**SHAPE, num_hidden_layers=2)).eval()
     with pytest.raises(UnsupportedModelError, match=r"'olmo' \(OlmoForCausalLM\): no adapter.*llama, mistral, "
-                                                   r"olmo2, phi3, qwen2, qwen3.*hshare.patches.register"):
+                                                   r"mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe"
+                                                   r".*hshare.patches.register"):
         hshare.patch(model)
     try:
         register(ArchitectureAdapter(model_type="olmo", attention_class="OlmoSelfAttention"))
