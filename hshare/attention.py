@@ -14,6 +14,8 @@
   window (policy scores) and take the top-k, copying heads and layers reuse their source's columns;
   then gather-attention over sink + heavy + local, or exact SDPA when every row is within the budget
   or the step is too small for sparse attention to pay (`HShareConfig.dense_fallback_mib`).
+* Heads: everything per head is sized from the tensors received at the first prefill, which under
+  tensor parallelism hold the rank's own heads (`hshare.heads`).
 * Work counters (`hshare.cache.DecodeStats`): every decode path tells the cache what it read (a
   dense reading, or the critical indices), with device tensors only.
 """
@@ -24,6 +26,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hshare.cache import HShareCache, HShareLayer
+from hshare.heads import head_shard
 from hshare.kernels import attention_with_lse, dense_decode_attention, gather_attention, merge_attention_states
 from hshare.planner import head_similarity, layer_overlaps
 from hshare.policy import SelectionPolicy, new_policy
@@ -59,6 +62,9 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if not decoding:
         config = cache.config
         prefix = cache.prefix_attention(layer_idx, query, scaling)  # exact, over the shared prefix levels
+        if cache.heads is None:  # the first prefill sizes per-head state (a rank's own heads under TP)
+            cache.set_heads(head_shard(module, query, key))
+        cache.check_heads(layer_idx, query, key)
         if layer_idx == 0:
             cache.begin_prefill()
         sparse = cache.is_sparse_layer(layer_idx) and not cache.filling_prefix
@@ -212,7 +218,8 @@ def _record_evidence(cache: HShareCache, layer_idx: int, query: torch.Tensor, va
     if config.head_sharing < 1:
         cache.state.head_similarity[layer_idx] = head_similarity(keep, kv_len)
     if config.layer_sharing < 1:
-        cache.state.layer_similarity[layer_idx] = layer_overlaps(keep, cache.earlier_keep_sets(layer_idx), kv_len)
+        overlaps = layer_overlaps(keep, cache.earlier_keep_sets(layer_idx), kv_len)
+        cache.state.layer_similarity[layer_idx] = cache.heads.mean_over_ranks(overlaps)  # one layer plan for all ranks
         layer.keep = keep
 
 

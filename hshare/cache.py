@@ -27,6 +27,7 @@ from hshare.buffer import GrowingBuffer
 from hshare.channels import ChannelCalibration
 from hshare.config import HShareConfig
 from hshare.counters import DecodeStats, WorkCounters
+from hshare.heads import HeadShard
 from hshare.policy import SelectionPolicy
 from hshare.prefix_store import PrefixStore
 from hshare.step import DecodeStep
@@ -143,6 +144,10 @@ class StaticColumns:
 class HShareCache(Cache):
     """All state of one generation: KV, selection metadata, prefix, step state, counters.
 
+    Head counts (``q_heads``, ``kv_heads``, ``sel_heads``: Hq, Hkv, H_sel) are those the attention
+    function receives, set at the first prefill (`set_heads`): under tensor parallelism, the
+    rank's own heads (`hshare.heads`); None before.
+
     Args:
         config: the validated `HShareConfig`.
         model_config: the model's transformers config.
@@ -158,15 +163,16 @@ class HShareCache(Cache):
         self.config = config
         self.calibration = calibration
         self.reserve = reserve
-        self.q_heads = model_config.num_attention_heads
-        self.kv_heads = model_config.num_key_value_heads
-        self.sel_heads = self.kv_heads if config.selection == "kv_head" else self.q_heads
+        self.heads: HeadShard | None = None
+        self.q_heads: int | None = None
+        self.kv_heads: int | None = None
+        self.sel_heads: int | None = None
         dense = set(config.dense_layers)
         self.sparse_layers = [i for i in range(self.num_layers) if i not in dense] if config.sparse else []
         self._sparse = set(self.sparse_layers)
         self.state = DecodeStep()
         self.counts = DecodeStats()  # the host-side counters (the device-side ones stay 0 here)
-        self.work = WorkCounters(self.kv_heads)  # the device-side ones
+        self.work = WorkCounters(0)  # the device-side ones (sized by set_heads)
         self.prefix: PrefixStore | None = None
         self._prefix_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
         self.static: StaticColumns | None = None
@@ -190,6 +196,23 @@ class HShareCache(Cache):
             self.counts.scored_pages += units
         else:
             self.counts.scored_tokens += units
+
+    def set_heads(self, heads: HeadShard) -> None:
+        """Size the per-head state from the heads the attention function receives (the first
+        prefill; `hshare.heads.head_shard`). A calibration is narrowed to the rank's query heads."""
+        self.heads = heads
+        self.q_heads, self.kv_heads = heads.q_heads, heads.kv_heads
+        self.sel_heads = heads.kv_heads if self.config.selection == "kv_head" else heads.q_heads
+        self.work.kv_heads = heads.kv_heads
+        if self.calibration is not None and heads.sharded:
+            self.calibration = self.calibration.head_slice(heads.q_offset, heads.q_heads)
+
+    def check_heads(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Every layer and forward must attend with the heads `set_heads` saw."""
+        if (query.shape[1], key.shape[1]) != (self.q_heads, self.kv_heads):
+            raise ValueError(f"layer {layer} attends with {query.shape[1]} query / {key.shape[1]} KV heads, the cache "
+                             f"was sized for {self.heads.describe()} at its first prefill; accepted: the same heads "
+                             "in every layer and forward of one generation")
 
     # ---- static shapes ------------------------------------------------------------------
     def freeze(self) -> StaticColumns:

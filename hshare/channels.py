@@ -11,6 +11,7 @@ Without a file the choice is *dynamic*: the same statistic over each row's own p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -48,11 +49,20 @@ class ChannelCalibration:
     tokens: int
 
     def channels(self, layer: int, kv_heads: int, selection: str, count: int) -> torch.Tensor:
-        """``[1, H_sel, count]`` int64 channels of one layer's selection heads."""
+        """``[1, H_sel, count]`` int64 channels of one layer's selection heads (`kv_heads` KV heads
+        over the statistic's query heads)."""
         stat = self.statistic[layer]  # [Hq, d]
         if selection == "kv_head":
             stat = stat.reshape(kv_heads, -1, stat.shape[-1]).sum(1)
         return stat.topk(count, dim=-1).indices.sort(-1).values[None]
+
+    def head_slice(self, start: int, q_heads: int) -> "ChannelCalibration":
+        """The statistic of query heads ``[start, start + q_heads)`` only (a tensor-parallel rank's
+        heads, `hshare.heads.HeadShard`): ``statistic`` ``[L, q_heads, d]``, same signature."""
+        if start < 0 or start + q_heads > self.statistic.shape[1]:
+            raise ValueError(f"query heads {start}..{start + q_heads - 1} are outside the calibration's "
+                             f"{self.statistic.shape[1]} heads ({self.signature})")
+        return dataclasses.replace(self, statistic=self.statistic[:, start:start + q_heads])
 
     def save(self, path: str | Path) -> None:
         payload = {

@@ -10,6 +10,12 @@ Greedy (Algorithm 1): k times, take the most similar pair (i, j < i), let i copy
 column i. A node that copies is never a source afterwards; a source may later copy an earlier
 node, so chains i -> j -> m are resolved to i -> m. Ties go to the first pair in row-major order
 (smallest i, then smallest j). Everything is batched tensor work (no loop over pairs, no sync).
+
+Tensor parallelism (`hshare.heads`): a rank holds a slice of the heads, and its keep-sets, head
+similarities and plan cover those heads only: head sharing is planned per rank (round(b * H_rank)
+sources among the rank's heads; a head never copies another rank's head, so a decode step needs no
+collective). Layer similarity is averaged over all ranks' heads at prefill, so every rank holds the
+single-process layer plan (up to float rounding of the mean).
 """
 
 from __future__ import annotations

@@ -143,7 +143,12 @@ class DecodeStep:
     # ---- the plan -----------------------------------------------------------------------
     def make_plan(self, config: HShareConfig, counts: DecodeStats, sparse_layers: list[int], num_layers: int,
                   sel_heads: int, batch: int, device: torch.device) -> None:
-        """Build and compile the sharing plan from the prefill evidence (one host sync)."""
+        """Build and compile the sharing plan from the prefill evidence (one host sync).
+
+        Args:
+            sel_heads: H_sel of this process (`HShareCache.set_heads`: a tensor-parallel rank's own
+                selection heads), the size of the evidence's head dimensions.
+        """
         if not config.shares_layers_or_heads:
             plan = identity_plan(num_layers, sel_heads, device)
         else:
