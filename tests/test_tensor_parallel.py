@@ -1,4 +1,5 @@
-"""hshare under transformers' tensor parallelism (``tp_plan="auto"``), two gloo processes on CPU.
+"""hshare under transformers' tensor parallelism (``tp_plan="auto"``), two processes: on two GPUs
+(NCCL) where a machine has them, else on CPU (gloo).
 
 Each rank's attention receives its own heads (4 of 8 query heads, 2 of 4 KV heads here); the
 cache, labels, selections and the head-sharing plan are sized from those tensors (`hshare.heads`).
@@ -29,8 +30,9 @@ from tp_worker import run_cases
 
 RANKS = 2
 Q_HEADS, KV_HEADS, LAYERS = 8, 4, 4
-SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12, far below the prompts
+SMALL = dict(sink=2, local=4, heavy=6, dense_fallback_mib=0)  # N_c = 12, far below the prompts
 WIDE = dict(sink=2, local=4, heavy=400)  # N_c above every context: exact
+ON_GPUS = torch.cuda.device_count() >= RANKS  # transformers picks NCCL on GPUs, gloo on CPU
 NEW_TOKENS = 8
 # name: (preset, overrides, batch, exact)
 CASES = {
@@ -89,6 +91,8 @@ def run_tensor_parallel(root: Path, spec: dict) -> list[dict]:
     worker = Path(__file__).with_name("tp_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [
         str(worker.parent), os.environ.get("PYTHONPATH")]))}
+    if not ON_GPUS:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # one GPU for two ranks: both on CPU
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
                            "--standalone", str(worker), str(root / "spec.pt"), str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
@@ -118,7 +122,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     spec = make_spec(root, seed)
     model = LlamaForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
-    single = run_cases(model, spec)
+    single = run_cases(model.to("cuda:0" if ON_GPUS else "cpu"), spec)
     return seed, single, run_tensor_parallel(root, spec)
 
 
@@ -160,7 +164,7 @@ def test_tensor_parallel_matches_one_process(runs, name, record_property):
     record_property("agreement", agreement)
     record_property("same_plan", same_plan)
     print(f"{context}: plan per rank = one-process plan on the rank's heads: {same_plan}; "
-          f"token agreement {agreement:.3f}")
+          f"token agreement {agreement:.3f}; static decode: {ranks[0]['static_decode'] or 'yes'}")
     if exact or same_plan:
         assert torch.equal(ranks[0]["tokens"], single["tokens"]), context
         torch.testing.assert_close(ranks[0]["logits"], single["logits"], rtol=1e-4, atol=1e-4, msg=context)

@@ -1,7 +1,7 @@
 """Runs hshare presets on a saved model and saves what they did (`tests/test_tensor_parallel.py`).
 
 Under ``torchrun --nproc-per-node N tests/tp_worker.py SPEC OUT`` the model is loaded with
-``tp_plan="auto"`` (transformers' tensor parallelism; gloo on CPU) and each rank writes
+``tp_plan="auto"`` (transformers' tensor parallelism: NCCL on GPUs, gloo on CPU) and each rank writes
 ``OUT/rank<r>.pt``; the test runs `run_cases` in its own process for the one-process reference.
 """
 
@@ -21,18 +21,20 @@ def run_case(model, case: dict, batch: dict, new_tokens: int) -> dict:
 
     with hshare.patched(model, case["preset"], **case["overrides"]):
         cache = hshare.new_cache(model)
-        out = model.generate(batch["ids"], attention_mask=batch["mask"], max_new_tokens=new_tokens,
+        ids, mask = batch["ids"].to(model.device), batch["mask"].to(model.device)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, past_key_values=cache,
                              output_logits=True, return_dict_in_generate=True)
     plan = cache.state.plan
     return {
-        "tokens": out.sequences,
-        "logits": torch.stack(out.logits, 1).float(),
+        "tokens": out.sequences.cpu(),
+        "logits": torch.stack(out.logits, 1).float().cpu(),
         "layer_source": None if plan is None else plan.layer_source.cpu(),
         "head_source": None if plan is None else plan.head_source.cpu(),
         "stats": dataclasses.asdict(cache.stats),
         "heads": (cache.q_heads, cache.kv_heads, cache.sel_heads),
         "prefix_levels": None if cache.prefix is None else [level.width for level in cache.prefix.levels],
+        "static_decode": getattr(cache.static_decode, "reason", None),
     }
 
 
