@@ -123,10 +123,11 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
 def _dense_decode(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float, scaling: float, **kwargs):
-    """Exact dense attention of a decode step: ``[B, 1, Hq, d]``, None. A GQA model's keys and values are
-    read once (`hshare.kernels.dense_decode_attention`); transformers' SDPA function where that does
-    not apply (dropout in training, a mask that differs by head)."""
-    if dropout == 0.0 and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)):
+    """Exact dense attention of a decode step: ``[B, 1, Hq, d]``, None. Under a mask (padding, a window,
+    static shapes) a GQA model's keys and values are read once (`hshare.kernels.dense_decode_attention`);
+    otherwise transformers' SDPA function, which reads them once itself when no mask is given
+    (``enable_gqa``), and handles dropout in training and masks that differ by head."""
+    if dropout == 0.0 and attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1:
         return dense_decode_attention(query, key, value, attention_mask, scaling), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
