@@ -235,16 +235,21 @@ def test_repeated_calls_with_other_shapes_get_fresh_buffers():
     assert torch.equal(first, again) and torch.equal(second, eager)
 
 
-@pytest.mark.parametrize("sliding", [False, True])
-def test_qwen2_window_only_where_layers_slide(sliding):
+def _tiny_qwen2(sliding: bool, window: int):
+    """A Qwen2 whose config names a window that every layer applies (`sliding`) or none does."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         use_sliding_window=sliding, sliding_window=16, max_window_layers=0, pad_token_id=0,
+                         use_sliding_window=sliding, sliding_window=window, max_window_layers=0, pad_token_id=0,
                          bos_token_id=1, eos_token_id=2)
-    model = Qwen2ForCausalLM(config).eval()
+    return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_qwen2_window_only_where_layers_slide(sliding):
+    model = _tiny_qwen2(sliding, window=16)
     ids, mask = left_padded([24, 13])
     reference = _generate(model, ids, mask, new_tokens=6)
     static, cache = _run(model, "dense", ids, mask, static=True, new_tokens=6, prefix="off")
@@ -257,14 +262,7 @@ def test_shared_prefix_declined_only_where_a_window_applies(sliding):
     """A Qwen2 config names a window its layers do not apply (``use_sliding_window=False``): the shared
     prefix is held once past that length; with the window applied it is declined (the prefix must stay
     inside every row's window). Tokens are the unpatched model's either way."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         use_sliding_window=sliding, sliding_window=24, max_window_layers=0, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2)
-    model = Qwen2ForCausalLM(config).eval()
+    model = _tiny_qwen2(sliding, window=24)
     prefix = torch.randint(3, VOCAB, (20,))
     ids, mask = left_pad([torch.cat((prefix, torch.randint(3, VOCAB, (n,)))) for n in (5, 2, 7)])
     reference = _generate(model, ids, mask, new_tokens=8)  # 27 + 8 tokens: past the window
