@@ -97,6 +97,9 @@ def static_decode_unsupported(model, cache: HShareCache, kwargs: dict) -> str | 
     devices = set(getattr(model, "hf_device_map", {}).values())
     if len(devices) > 1:
         return f"the model is spread over devices {sorted(map(str, devices))}"
+    if (getattr(model, "tp_size", None) or 1) > 1:  # a rank failing a capture would leave the others waiting
+        return (f"tensor parallelism (tp_size={model.tp_size}): capture of the model's collectives in CUDA graphs "
+                "is not yet tested on several GPUs")
     if config.sparse and config.policy == "quest":
         return f"policy={config.policy!r} has no static-shape decode (its page slots grow with the length)"
     if (generation_setting(model, kwargs, "num_beams") or 1) > 1:

@@ -184,9 +184,12 @@ def test_generation_below_the_dense_fallback_makes_no_labels(monkeypatch, outgro
     (dict(preset="ds", overrides=SPARSE, generate=dict(num_beams=2)), "beam search"),
     (dict(preset="dense", overrides={}, generate=dict(output_hidden_states=True, return_dict_in_generate=True)),
      "output_hidden_states"),
+    (dict(preset="ds", overrides=SPARSE, model=dict(_tp_size=2)), "tensor parallelism (tp_size=2)"),
 ])
 def test_what_cannot_run_static_says_why(setup, reason):
     model = tiny_llama()
+    for name, value in setup.get("model", {}).items():  # what transformers sets on a model it sharded
+        setattr(model, name, value)
     ids, mask = left_padded([20, 14])
     hshare.patch(model, setup["preset"], **setup["overrides"])
     cache = hshare.new_cache(model)
