@@ -120,9 +120,24 @@ def _wrap_generate(model) -> None:
     model.generate = generate
 
 
+def refuse_split_placement(model, config: HShareConfig) -> None:
+    """Sparse decode of a model whose layers sit on several devices (accelerate's ``device_map``) is not
+    supported yet: a step's shared state (row windows, plan, selections) lives on the first layer's
+    device. Raised before anything is generated, naming what is accepted."""
+    devices = sorted({str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()})
+    if config.sparse and len(devices) > 1:
+        raise ValueError(
+            f"hshare's sparse presets do not yet support a model split over devices {devices} (device_map); "
+            "accepted: the 'dense' preset (exact, the shared prefix still held once), the model on one device, "
+            "or tensor parallelism (from_pretrained(..., tp_plan='auto') under torchrun)"
+        )
+
+
 def _generate(model, original, args: tuple, kwargs: dict):
     """``generate`` with hshare's cache: the shared prefix held once, static-shape decode."""
     cache = kwargs.get("past_key_values")
+    if isinstance(cache, HShareCache):
+        refuse_split_placement(model, cache.config)  # the model may have been dispatched after patching
     if isinstance(cache, HShareCache) and cache.prefix is not None:
         raise ValueError(
             "this HShareCache holds a shared-prefix layout from an earlier generate (its columns are not the "
@@ -184,6 +199,7 @@ def patch(model, config: HShareConfig | str | os.PathLike | None = None, **overr
     config = resolve_config(config, **overrides)
     model_config = model.config
     config.validate_for_model(model_config.num_hidden_layers, adapter.head_dim(model_config))
+    refuse_split_placement(model, config)
     calibration = resolve_calibration(config.heavy_channels, model_config) if config.sparse else None
 
     state = patch_state(model)

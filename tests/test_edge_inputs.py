@@ -382,3 +382,24 @@ def test_invalid_budget_is_refused_naming_the_field():
     """The edge of validation: a budget with no local window cannot hold the current token."""
     with pytest.raises(ConfigError, match="HShareConfig.local"):
         hshare.patch(tiny_llama(), "ds", local=0)
+
+
+# ---- a model split over devices (accelerate's device_map) -------------------------------------------
+def test_sparse_presets_refuse_a_model_split_over_devices():
+    """Sparse decode of a device_map split is not supported yet: refused by name at patch time, and at
+    generate time for a model dispatched after patching; dense is accepted."""
+    model = tiny_llama()
+    split = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": 1}
+    model.hf_device_map = split
+    with pytest.raises(ValueError, match=r"split over devices \['0', '1'\].*accepted: the 'dense' preset"):
+        hshare.patch(model, "ds")
+    assert hshare.api.patch_state(model) is None
+    hshare.patch(model, "dense")  # exact dense is accepted
+    hshare.unpatch(model)
+    del model.hf_device_map
+    ids, mask = left_padded([12, 9])
+    with hshare.patched(model, "ds", **WIDE):
+        model.hf_device_map = split  # dispatched after patching
+        with pytest.raises(ValueError, match="split over devices"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
+    del model.hf_device_map
