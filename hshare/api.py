@@ -31,7 +31,8 @@ from hshare.channels import ChannelCalibration, resolve_calibration
 from hshare.config import HShareConfig, resolve_config
 from hshare.patches import adapter_for
 from hshare.shared_generate import generate_with_shared_prefix, generation_setting
-from hshare.static_decode import StaticDecodeReport, StaticDecoder, new_token_budget, static_decode_unsupported
+from hshare.static_decode import (StaticDecodeReport, StaticDecoder, new_token_budget, placement_devices,
+                                  static_decode_unsupported)
 
 _STATE_ATTR = "_hshare_patch"
 
@@ -124,7 +125,7 @@ def refuse_split_placement(model, config: HShareConfig) -> None:
     """Sparse decode of a model whose layers sit on several devices (accelerate's ``device_map``) is not
     supported yet: a step's shared state (row windows, plan, selections) lives on the first layer's
     device. Raised before anything is generated, naming what is accepted."""
-    devices = sorted({str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()})
+    devices = placement_devices(model)
     if config.sparse and len(devices) > 1:
         raise ValueError(
             f"hshare's sparse presets do not yet support a model split over devices {devices} (device_map); "

@@ -87,6 +87,11 @@ def new_token_budget(model, kwargs: dict, prompt_width: int) -> int | None:
     return None if new_tokens is None else max(0, int(new_tokens))
 
 
+def placement_devices(model) -> list[str]:
+    """The devices accelerate's ``device_map`` put the model's modules on (empty when it was not dispatched)."""
+    return sorted({str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()})
+
+
 def static_decode_unsupported(model, cache: HShareCache, kwargs: dict) -> str | None:
     """Why this ``generate`` call cannot decode with static shapes, or None."""
     config = cache.config
@@ -94,9 +99,9 @@ def static_decode_unsupported(model, cache: HShareCache, kwargs: dict) -> str | 
         return "cuda_graphs=False"
     if model.device.type != "cuda" and not STATIC_ON_CPU:
         return f"the model is on {model.device.type}, CUDA graphs need CUDA"
-    devices = set(getattr(model, "hf_device_map", {}).values())
+    devices = placement_devices(model)
     if len(devices) > 1:
-        return f"the model is spread over devices {sorted(map(str, devices))}"
+        return f"the model is spread over devices {devices}"
     if (getattr(model, "tp_size", None) or 1) > 1:  # a rank failing a capture would leave the others waiting
         return (f"tensor parallelism (tp_size={model.tp_size}): capture of the model's collectives in CUDA graphs "
                 "is not yet tested on several GPUs")

@@ -116,8 +116,8 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
     def generate(tokens: int):
         extra = {}
         if patched:  # hold one cache at a time: each is as large as the whole KV of the generation
-            caches[:] = [None]
-            caches[0] = hshare.new_cache(model)
+            caches.clear()  # free the previous cache before making the next
+            caches.append(hshare.new_cache(model))
             extra["past_key_values"] = caches[0]
         return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs, **extra)
 
