@@ -33,6 +33,7 @@ device), or a generation that outgrows its reserved length (it goes on eagerly).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hshare.cache import HShareCache
 from hshare.counters import DecodeStats
+from hshare.elementwise_fusion import ElementwiseFusion
 from hshare.graphs import StepGraphs
 from hshare.shared_generate import generation_setting, uniform_sliding_window
 
@@ -65,6 +67,9 @@ class StaticDecodeReport:
         eager_steps: decode steps run eagerly (the first of each kind, and any after a fallback).
         capture_seconds: host seconds spent capturing each kind.
         reserved: own columns per row the buffers were reserved for.
+        fusion: how the captured steps run the layers' elementwise work: "fused" (inductor kernels,
+            `hshare.elementwise_fusion`), or why not ("compile_elementwise=False", a compile error).
+        compile_seconds: host seconds spent compiling the fused pieces (0 once compiled at this shape).
     """
 
     reason: str = ""
@@ -72,6 +77,8 @@ class StaticDecodeReport:
     eager_steps: int = 0
     capture_seconds: dict[str, float] = field(default_factory=dict)
     reserved: int = 0
+    fusion: str = ""
+    compile_seconds: float = 0.0
 
     @property
     def graphed_steps(self) -> int:
@@ -135,7 +142,9 @@ class StaticDecoder:
         self.__signature__ = inspect.signature(forward)  # generate reads which inputs the forward takes
         self.new_tokens = new_tokens
         self.report = report
+        self.model = model
         self.window = uniform_sliding_window(model.config)
+        self.fusion: ElementwiseFusion | None = None
         self.graphs: StepGraphs | None = None
         self.inputs: dict[str, torch.Tensor] = {}
         self.constants: dict[str, Any] = {}
@@ -197,8 +206,9 @@ class StaticDecoder:
         return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
 
     def _step(self) -> torch.Tensor:
-        return self.forward(**self.inputs, **self.constants, past_key_values=self.cache, attention_mask=None,
-                            use_cache=True, return_dict=True).logits
+        with self.fusion.active() if self.fusion is not None else contextlib.nullcontext():
+            return self.forward(**self.inputs, **self.constants, past_key_values=self.cache, attention_mask=None,
+                                use_cache=True, return_dict=True).logits
 
     def _freeze(self, cache: HShareCache, kwargs: dict) -> str | None:
         if cache.reserve != cache.layers[0]._keys.capacity:
@@ -214,7 +224,20 @@ class StaticDecoder:
                           and not isinstance(value, torch.Tensor)}
         device = cache.static.valid.device
         self.graphs = StepGraphs(device) if device.type == "cuda" else None
+        if self.graphs is not None:
+            self._fuse(cache)
         return None
+
+    def _fuse(self, cache: HShareCache) -> None:
+        """Compile the layers' elementwise work for the captured steps, where the config asks for it."""
+        if not cache.config.compile_elementwise:
+            self.report.fusion = "compile_elementwise=False"
+            return
+        fusion = ElementwiseFusion(self.model)
+        error = fusion.warm_up(cache.static.valid.shape[0])
+        self.report.compile_seconds = fusion.compile_seconds
+        self.report.fusion = error or "fused"
+        self.fusion = None if error else fusion
 
     def _set_validity(self, valid: torch.Tensor, mask: torch.Tensor | None, width: int) -> None:
         """``valid[:, :width]`` from generate's 2-D mask (its last `width` columns are the own ones;

@@ -17,7 +17,10 @@ from test_static_decode import _generate, _run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-SPARSE = dict(sink=2, local=4, heavy=6, dense_fallback_mib=0)  # sparse from the first step on CUDA
+# Bitwise comparisons run the model's own elementwise kernels in the graph (compile_elementwise=False):
+# inductor's fused RMSNorm reduces in another order. The fused path is checked against them below.
+UNFUSED = dict(compile_elementwise=False)
+SPARSE = dict(sink=2, local=4, heavy=6, dense_fallback_mib=0, **UNFUSED)  # sparse from the first step on CUDA
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +42,7 @@ def test_dense_graphs_equal_unpatched(dtype, lengths):
     model = tiny_llama(dtype=dtype).cuda()
     ids, mask = _batch(lengths)
     reference = _generate(model, ids, mask, new_tokens=12)
-    out, cache = _run(model, "dense", ids, mask, static=True, new_tokens=12, prefix="off")
+    out, cache = _run(model, "dense", ids, mask, static=True, new_tokens=12, prefix="off", **UNFUSED)
     assert cache.static_decode.reason == "" and cache.static_decode.graphed_steps >= 9
     assert torch.equal(out, reference)
 
@@ -73,7 +76,7 @@ def test_shared_prefix_graphs(preset):
     prefix = torch.randint(3, VOCAB, (48,))
     ids, mask = left_pad([torch.cat((prefix, torch.randint(3, VOCAB, (n,)))) for n in (5, 9, 2)])
     ids, mask = ids.cuda(), mask.cuda()
-    overrides = dict(prefix="on", **({} if preset == "dense" else SPARSE))
+    overrides = dict(prefix="on", **(UNFUSED if preset == "dense" else SPARSE))
     eager, _ = _run(model, preset, ids, mask, static=False, new_tokens=12, **overrides)
     graphed, cache = _run(model, preset, ids, mask, static=True, new_tokens=12, **overrides)
     assert cache.prefix is not None and cache.static_decode.reason == "", cache.static_decode
@@ -86,7 +89,7 @@ def test_mistral_sliding_window_graphs_equal_unpatched():
     model = tiny_mistral(sliding_window=24).cuda()
     ids, mask = _batch([30, 19])
     reference = _generate(model, ids, mask, new_tokens=16)
-    hshare.patch(model, "dense", prefix="off")
+    hshare.patch(model, "dense", prefix="off", **UNFUSED)
     cache = hshare.new_cache(model)
     out = _generate(model, ids, mask, new_tokens=16, past_key_values=cache)
     hshare.unpatch(model)
@@ -126,8 +129,9 @@ def test_no_host_sync_in_a_replayed_step(monkeypatch, preset):
         return out
 
     monkeypatch.setattr(static_decode.StaticDecoder, "_decode", strict)
-    _, cache = _run(model, preset, ids, mask, static=True, new_tokens=12, **({} if preset == "dense" else SPARSE))
-    assert cache.static_decode.reason == "" and len(checked) >= 8
+    overrides = {} if preset == "dense" else dict(SPARSE, compile_elementwise=True)  # the fused step, as by default
+    _, cache = _run(model, preset, ids, mask, static=True, new_tokens=12, **overrides)
+    assert cache.static_decode.reason == "" and cache.static_decode.fusion == "fused" and len(checked) >= 8
 
 
 def test_outgrown_generation_goes_on_eagerly(monkeypatch):
@@ -144,3 +148,34 @@ def _short_reserve(init):
     def wrapped(self, model, forward, new_tokens, report):
         init(self, model, forward, new_tokens - 5, report)
     return wrapped
+
+
+@pytest.mark.parametrize("preset", ["dense", "hshare-1_2-1_2-1_2"])
+def test_fused_elementwise_equals_unfused_float32(preset):
+    """Inductor-fused norms / rotary / MLP in the captured step give the unfused step's tokens (float32:
+    only the order of a reduction differs), also after a call at another batch size (a recompile)."""
+    model = tiny_llama(kv_heads=2, layers=4).cuda()
+    sparse = {} if preset == "dense" else dict(SPARSE, compile_elementwise=True)
+    for lengths in ([60, 44, 51, 37], [52, 30]):
+        ids, mask = _batch(lengths)
+        unfused, _ = _run(model, preset, ids, mask, static=True, new_tokens=12, **dict(sparse, **UNFUSED))
+        fused, cache = _run(model, preset, ids, mask, static=True, new_tokens=12, **sparse)
+        report = cache.static_decode
+        assert report.reason == "" and report.fusion == "fused" and report.graphed_steps >= 9, report
+        assert torch.equal(fused, unfused)
+
+
+def test_fused_elementwise_bfloat16_close_to_unfused():
+    model = tiny_llama(dtype=torch.bfloat16).cuda()
+    ids, mask = _batch([40, 23, 31, 9])
+    scores = {}
+    for fused in (False, True):
+        hshare.patch(model, "dense", prefix="off", compile_elementwise=fused)
+        cache = hshare.new_cache(model)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, pad_token_id=0,
+                             do_sample=False, past_key_values=cache, output_scores=True, return_dict_in_generate=True)
+        hshare.unpatch(model)
+        assert cache.static_decode.fusion == ("fused" if fused else "compile_elementwise=False")
+        scores[fused] = torch.stack(out.scores).float()
+    # same first tokens' logits up to bf16 rounding; later steps may follow another near-tied token
+    torch.testing.assert_close(scores[True][:2], scores[False][:2], rtol=0.05, atol=0.05)

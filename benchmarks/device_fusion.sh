@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 12, session 8 on the device machine: the GPU tests of static decode, then `hshare bench generate`
+# at the Llama-2-7B shape with the layers' elementwise work fused (the default) and unfused
+# (`compile_elementwise: false`, YAML copies of the presets), in one process.
+#   bash benchmarks/device_fusion.sh [tests] [llama2] [llama3]
+set -o pipefail
+OUT=${OUT:-bench-results}
+mkdir -p "$OUT" /tmp/unfused
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+for preset in dense hshare-1_2-1_2-1_2@512; do
+  { cat configs/presets/$preset.yaml; echo "compile_elementwise: false"; } > /tmp/unfused/$preset.yaml
+done
+for what in "$@"; do
+  case $what in
+    tests)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_static_decode.py 2>&1 | tail -25 \
+        | tee "$OUT/pytest_gpu_static.log" ;;
+    llama2)
+      timeout 300 hshare bench generate --out "$OUT" --shape llama2-7b --batch 16 --prompt 4096 --new-tokens 256 \
+        --paths static,dense,hshare-1_2-1_2-1_2@512,ds@512,/tmp/unfused/dense.yaml,/tmp/unfused/hshare-1_2-1_2-1_2@512.yaml \
+        2>&1 | tee -a "$OUT/bench_generate.log" ;;
+    llama3)
+      timeout 200 hshare bench generate --out "$OUT" --shape llama3-8b --batch 16 --prompt 4096 --new-tokens 256 \
+        --paths static,dense,hshare-1_2-1_2-1_2@512 2>&1 | tee -a "$OUT/bench_generate.log" ;;
+  esac
+done
