@@ -61,7 +61,8 @@ def _bench(args: argparse.Namespace) -> int:
         paths = tuple(args.paths.split(",")) if args.paths else bench.generate.PATHS
         bench.main_generate(Path(args.out), args.shape, args.batch, args.prompt, args.new_tokens, paths, args.shared,
                             args.layers, args.smoke,
-                            {} if args.dense_fallback_mib is None else {"dense_fallback_mib": args.dense_fallback_mib})
+                            {} if args.dense_fallback_mib is None else {"dense_fallback_mib": args.dense_fallback_mib},
+                            tp=args.tp, device_map=args.device_map)
         return 0
     run = bench.main_attention if args.what == "attention" else bench.main_prefix
     run(Path(args.out), args.smoke)
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("results", nargs="?", help="for plot: a results JSON written by a bench")
     bench.add_argument("--out", default="bench-results", help="directory for the JSON and PNG (default bench-results)")
     bench.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the bench runs)")
-    bench.add_argument("--shape", default="llama2-7b", help="generate: llama2-7b, llama3-8b, mistral-7b (random weights)")
+    bench.add_argument("--shape", default="llama2-7b",
+                       help="generate: llama2-7b, llama3-8b, mistral-7b, llama3-70b, tiny (random weights)")
     bench.add_argument("--batch", type=int, default=16, help="generate: rows")
     bench.add_argument("--prompt", type=int, default=4096, help="generate: prompt tokens")
     bench.add_argument("--new-tokens", type=int, default=256, help="generate: new tokens")
@@ -113,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--layers", type=int, default=None, help="generate: cut the model to this many layers")
     bench.add_argument("--dense-fallback-mib", type=float, default=None,
                        help="generate: HShareConfig.dense_fallback_mib for patched paths (0: sparse at any size)")
+    bench.add_argument("--tp", type=int, default=1,
+                       help="generate: tensor-parallel ranks, one a GPU; run under torchrun: `torchrun --standalone "
+                            "--nproc-per-node N -m hshare.cli bench generate --tp N ...` (rank 0 prints and writes)")
+    bench.add_argument("--device-map", default=None,
+                       help="generate: dispatch the model over the visible GPUs with accelerate: auto, balanced, "
+                            "sequential, or splitN (the layers in N contiguous parts, one a GPU); sparse presets "
+                            "are refused there (the row records why)")
     bench.set_defaults(run=_bench)
 
     commands.add_parser("eval", help="lm-eval with the 'hshare' model and local task data (hshare eval --help)",

@@ -15,12 +15,20 @@ position), and for patched paths what static decode did (graph replays, capture 
 Models are built on the GPU with random weights (nothing is loaded). Rows print as they come and
 are written as JSON (and a PNG where matplotlib is installed: each path's decode tok/s relative to
 ``static``, peak memory and KV beside it).
+
+Several GPUs (`hshare.bench.multi_gpu`): ``--tp N`` under torchrun (transformers' tensor parallelism,
+the model built sharded on the GPUs; every rank measures its own GPU, rank 0 prints and writes) or
+``--device-map`` (accelerate's dispatch in one process; sparse presets are refused by the library and
+the row records the refusal). There ``peak_gib`` is the largest of the per-GPU peaks
+(``peak_gib_per_gpu``, in rank or device order) and ``kv_gib`` the KV of all GPUs together.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
+import os
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -28,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from hshare.bench import multi_gpu
+from hshare.bench.multi_gpu import Placement
 from hshare.bench.results import environment, write
 
 SHAPES = {  # (config class, fields): the published models' attention and MLP shapes
@@ -39,6 +49,9 @@ SHAPES = {  # (config class, fields): the published models' attention and MLP sh
     "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                    num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
                                    sliding_window=None)),
+    "llama3-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                 num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                                 rope_theta=500000.0)),
     "tiny": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=256)),
 }
@@ -64,10 +77,14 @@ class GenerateRow:
     agreement: float | None
     static_decode: dict = field(default_factory=dict)
     error: str = ""
+    placement: str = ""  # "": one device; "tp2": 2 tensor-parallel ranks; "device_map split2": accelerate's dispatch
+    peak_gib_per_gpu: list = field(default_factory=list)  # each GPU's peak (rank order under TP); peak_gib: the max
+    decode_steps: dict = field(default_factory=dict)  # sparse presets: decode / sparse / dense-fallback steps, KV read
+    ranks_agree: bool | None = None  # under TP: whether every rank generated the same tokens
 
 
-def build_model(shape: str, layers: int | None, device: str, dtype: torch.dtype, max_positions: int):
-    """A random-weight model of `shape` (`SHAPES`), made directly on `device` in `dtype`."""
+def model_config(shape: str, layers: int | None, max_positions: int):
+    """``(model class, config)`` of `shape` (`SHAPES`), cut to `layers` when given."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     kind, fields = SHAPES[shape]
@@ -76,33 +93,45 @@ def build_model(shape: str, layers: int | None, device: str, dtype: torch.dtype,
         fields["num_hidden_layers"] = layers
     config_class, model_class = (LlamaConfig, LlamaForCausalLM) if kind == "llama" else (MistralConfig,
                                                                                          MistralForCausalLM)
+    return model_class, config_class(**fields)
+
+
+def build_model(shape: str, layers: int | None, device: str, dtype: torch.dtype, max_positions: int,
+                placement: Placement | None = None):
+    """A random-weight model of `shape` (`SHAPES`), made directly on `device` in `dtype`; under `placement`
+    sharded over the torchrun ranks (``tp``) or dispatched over the GPUs (``device_map``), see `multi_gpu`."""
+    model_class, config = model_config(shape, layers, max_positions)
+    placement = placement or Placement()
+    if placement.tp > 1:
+        return multi_gpu.build_tp_model(model_class, config, dtype, placement.tp)
+    if placement.device_map:
+        return multi_gpu.build_device_map_model(model_class, config, dtype, placement.device_map, device)
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_class(config_class(**fields))
+            model = model_class(config)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed(fn, device: str) -> tuple[float, object]:
-    _sync(device)
+def _timed(fn, gpus: list[torch.device]) -> tuple[float, object]:
+    """`fn()` timed from a common start (every rank past a barrier) to the end of its GPU work."""
+    multi_gpu.barrier()
+    multi_gpu.synchronize(gpus)
     start = time.perf_counter()
     out = fn()
-    _sync(device)
+    multi_gpu.synchronize(gpus)
     return time.perf_counter() - start, out
 
 
 def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, reference, device: str,
                  shape: str, shared: bool, overrides: dict | None = None) -> tuple[GenerateRow, torch.Tensor]:
-    """Time one path (see the module docstring); returns the row and the new tokens ``[B, N]``."""
+    """Time one path (see the module docstring) in this process; returns the row and the new tokens ``[B, N]``.
+    Under TP the row is this rank's: its own GPU's peak, the KV of its own heads (`merge_ranks` joins them).
+    The GPUs measured are the model's (`multi_gpu.model_gpus`)."""
     import hshare
 
     kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
@@ -121,41 +150,89 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
             extra["past_key_values"] = caches[0]
         return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs, **extra)
 
+    gpus = multi_gpu.model_gpus(model)
     with context:
-        first, _ = _timed(lambda: generate(new_tokens), device)
-        prefill, _ = _timed(lambda: generate(1), device)
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        total, out = _timed(lambda: generate(new_tokens), device)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+        first, _ = _timed(lambda: generate(new_tokens), gpus)
+        prefill, _ = _timed(lambda: generate(1), gpus)
+        multi_gpu.reset_peaks(gpus)
+        total, out = _timed(lambda: generate(new_tokens), gpus)
+        peaks = multi_gpu.peaks_gib(gpus) or [0.0]
     batch, width = ids.shape
     new = out[:, width:]
     agreement = None if reference is None else float((new == reference).float().mean())
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if patched:
+    steps = {}
+    if patched:  # the cache sized its buffers from the heads this process's attention received
         cache = caches[-1]
         kv = cache.reserved_bytes() + (cache.prefix.nbytes() if cache.prefix is not None else 0)
         report = cache.static_decode
         static = {"reason": report.reason, "replays": report.replays, "eager_steps": report.eager_steps,
-                  "capture_s": report.capture_seconds, "reserved": report.reserved}
-    else:
-        kv = batch * (width + new_tokens) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim \
+                  "capture_s": report.capture_seconds, "reserved": report.reserved, "fusion": report.fusion,
+                  "compile_s": report.compile_seconds}
+        if cache.config.sparse:  # how many decode steps were sparse, how many fell back to dense, KV reads
+            stats = cache.stats
+            steps = {"decode": stats.decode_steps, "sparse": stats.sparse_steps,
+                     "dense_fallback": stats.dense_fallback_steps,
+                     "kv_read_share": stats.kv_rows_read / stats.dense_kv_rows if stats.dense_kv_rows else None}
+    else:  # this process's share of the KV heads (all of them unless tensor-parallel)
+        kv_heads = cfg.num_key_value_heads // (getattr(model, "tp_size", None) or 1)
+        kv = batch * (width + new_tokens) * cfg.num_hidden_layers * 2 * kv_heads * head_dim \
             * torch.finfo(model.dtype).bits // 8
         static = {}
     decode = batch * (new_tokens - 1) / max(total - prefill, 1e-9)
     row = GenerateRow(shape=shape, path=path, batch=batch, prompt=width, new_tokens=new_tokens, shared_prompt=shared,
-                      prefill_s=prefill, decode_tok_s=decode, warmup_s=max(0.0, first - total), peak_gib=peak,
-                      kv_gib=kv / 2**30, agreement=agreement, static_decode=static)
+                      prefill_s=prefill, decode_tok_s=decode, warmup_s=max(0.0, first - total), peak_gib=max(peaks),
+                      kv_gib=kv / 2**30, agreement=agreement, static_decode=static, peak_gib_per_gpu=peaks,
+                      decode_steps=steps)
+    return row, new
+
+
+def error_text(error: BaseException) -> str:
+    what = "out of memory" if isinstance(error, torch.OutOfMemoryError) else type(error).__name__
+    return f"{what}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def failed_row(shape: str, path: str, batch: int, prompt: int, new_tokens: int, shared: bool, error: str,
+               placement: str = "") -> GenerateRow:
+    return GenerateRow(shape, path, batch, prompt, new_tokens, shared, 0.0, 0.0, 0.0, 0.0, 0.0, None, error=error,
+                       placement=placement)
+
+
+def merge_ranks(results: list[tuple], reference, placement: str, failed: GenerateRow) -> tuple[GenerateRow, object]:
+    """One row from every rank's ``(row, new tokens, error)`` (a single entry in one process): rank 0's
+    times (the ranks step together: each decode step all-reduces), every rank's GPU peaks, the KV of all
+    ranks, whether the ranks generated the same tokens, and the agreement of rank 0's tokens with
+    `reference`. A rank's error fails the row (`failed`, with the error of the first failing rank)."""
+    errors = [(r, error) for r, (_, _, error) in enumerate(results) if error]
+    if errors:
+        first, error = errors[0]
+        if len(results) > 1 and len(errors) < len(results):  # only some ranks failed: say which
+            error = f"rank {first} (of {len(results)}; {len(errors)} failed): {error}"
+        failed.error = error
+        return failed, None
+    row, new = results[0][0], results[0][1]
+    row.placement = placement
+    row.agreement = None if reference is None else float((new == reference).float().mean())
+    if len(results) > 1:
+        row.peak_gib_per_gpu = [peak for other, _, _ in results for peak in other.peak_gib_per_gpu]
+        row.peak_gib = max(row.peak_gib_per_gpu)
+        row.kv_gib = sum(other.kv_gib for other, _, _ in results)
+        row.ranks_agree = all(torch.equal(tokens, new) for _, tokens, _ in results)
     return row, new
 
 
 def bench_generate(shape: str, batch: int, prompt: int, new_tokens: int, paths=PATHS, shared: bool = False,
                    layers: int | None = None, device: str = "cuda", dtype=torch.bfloat16,
-                   overrides: dict | None = None) -> list[GenerateRow]:
+                   overrides: dict | None = None, placement: Placement | None = None,
+                   progress=None) -> list[GenerateRow]:
     """Every path at one shape; `shared`: all rows are one prompt (the shared prefix held once); `overrides`:
-    `HShareConfig` fields set on every patched path (``dense_fallback_mib=0`` to see sparse decode at any size)."""
-    model = build_model(shape, layers, device, dtype, prompt + new_tokens + 8)
+    `HShareConfig` fields set on every patched path (``dense_fallback_mib=0`` to see sparse decode at any size);
+    `placement`: several GPUs (`multi_gpu`); `progress(rows)`: called on rank 0 after each row.
+    Every rank returns the same rows; only rank 0 prints."""
+    placement = placement or Placement()
+    model = build_model(shape, layers, device, dtype, prompt + new_tokens + 8, placement)
+    lead = multi_gpu.rank() == 0
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     if shared:
@@ -167,29 +244,39 @@ def bench_generate(shape: str, batch: int, prompt: int, new_tokens: int, paths=P
         for row in range(0, batch, 4):
             pad = int(torch.randint(1, max(2, prompt // 8), (1,), generator=generator))
             ids[row, :pad], mask[row, :pad] = 0, 0
-    ids, mask = ids.to(device), mask.to(device)
+    # the same prompts on every rank (made alike from one seed; rank 0's broadcast to be sure)
+    ids, mask = multi_gpu.broadcast(ids.to(model.device)), multi_gpu.broadcast(mask.to(model.device))
     rows, reference = [], None
     for path in paths:
-        try:
-            row, new = measure_path(model, path, ids, mask, new_tokens, reference, device, shape, shared, overrides)
-            if path in EXACT_REFERENCES and reference is None:
+        failed = failed_row(shape, path, batch, prompt, new_tokens, shared, "", placement.label)
+        refusal = multi_gpu.split_refusal(model, path, overrides)  # hshare's own words, before generating
+        if refusal is not None:
+            failed.error = f"refused: {refusal}"
+            row = failed
+        else:
+            try:
+                local, new = measure_path(model, path, ids, mask, new_tokens, None, device, shape, shared, overrides)
+                result = (local, new.cpu(), "")
+            except Exception as error:  # one broken path must not lose the others' numbers
+                if not isinstance(error, torch.OutOfMemoryError):
+                    traceback.print_exc()
+                result = (None, None, error_text(error))
+            row, new = merge_ranks(multi_gpu.gather(result), reference, placement.label, failed)
+            if new is not None and path in EXACT_REFERENCES and reference is None:
                 reference = new
-        except Exception as error:  # one broken path must not lose the others' numbers
-            if not isinstance(error, torch.OutOfMemoryError):
-                traceback.print_exc()
-            what = "out of memory" if isinstance(error, torch.OutOfMemoryError) else type(error).__name__
-            row = GenerateRow(shape, path, batch, prompt, new_tokens, shared, 0.0, 0.0, 0.0, 0.0, 0.0, None,
-                              error=f"{what}: {str(error).splitlines()[0] if str(error) else ''}")
         release_memory(device)
         rows.append(row)
-        print_row(row, baseline(rows))
+        if lead:
+            print_row(row, baseline(rows))
+            if progress is not None:
+                progress(rows)
     return rows
 
 
 def release_memory(device: str) -> None:
     """Drop what a path left behind (compiled graphs and their memory pools, freed blocks) before the next."""
     gc.collect()
-    if device == "cuda":
+    if device == "cuda" and torch.cuda.is_available():
         torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
@@ -209,9 +296,13 @@ def print_row(row: GenerateRow, base: GenerateRow) -> None:
     static = (f"graphs {sum(graphs.values())} steps, capture {sum(row.static_decode['capture_s'].values()):.2f}s"
               if graphs else row.static_decode.get("reason", ""))
     agreement = "" if row.agreement is None else f"{row.agreement:.3f}"
+    per_gpu = f" ({'/'.join(f'{p:.1f}' for p in row.peak_gib_per_gpu)} per GPU)" \
+        if len(row.peak_gib_per_gpu) > 1 else ""
+    steps = f"  sparse steps {row.decode_steps['sparse']}/{row.decode_steps['decode']}" if row.decode_steps else ""
+    ranks = "" if row.ranks_agree is None else ("  ranks agree" if row.ranks_agree else "  RANKS DISAGREE")
     print(f"  {row.path:<26} prefill {row.prefill_s:7.2f}s  decode {row.decode_tok_s:8.1f} tok/s ({ratio:5.2f}x)"
-          f"  warm-up {row.warmup_s:6.2f}s  peak {row.peak_gib:6.1f} GiB  KV {row.kv_gib:6.2f} GiB"
-          f"  agree {agreement:>5}  {static}")
+          f"  warm-up {row.warmup_s:6.2f}s  peak {row.peak_gib:6.1f} GiB{per_gpu}  KV {row.kv_gib:6.2f} GiB"
+          f"  agree {agreement:>5}{steps}{ranks}  {static}")
 
 
 def figure(results: dict, source: str = ""):
@@ -245,12 +336,15 @@ def figure(results: dict, source: str = ""):
     memory.bar_label(peaks, ["" if r.error else f"{r.peak_gib:.1f}" for r in rows], fontsize=8)
     memory.set_ylim(0, max([r.peak_gib for r in rows] + [r.kv_gib for r in rows]) * 1.25 or 1.0)
     memory.set_ylabel("GiB")
-    memory.set_title("GPU memory of an N-token generate", fontsize=10)
+    several = any(len(r.peak_gib_per_gpu) > 1 for r in rows)
+    memory.set_title("GPU memory of an N-token generate" + (" (peak: the largest GPU's; KV: all GPUs)"
+                                                            if several else ""), fontsize=10)
     memory.legend(fontsize=8, loc="upper center", ncols=2)
     for ax in (speed, memory):
         ax.set_xticks(x, [r.path for r in rows], rotation=20, ha="right", fontsize=8)
     overrides = results.get("overrides") or {}
-    fig.suptitle(f"generate: {first.shape}, B{first.batch}, prompt {first.prompt}"
+    where = (results.get("placement") or {}).get("label") or first.placement
+    fig.suptitle(f"generate: {first.shape}{f' ({where})' if where else ''}, B{first.batch}, prompt {first.prompt}"
                  f"{' (one prompt, shared)' if first.shared_prompt else ''}, {first.new_tokens} new tokens"
                  f"{f', patched with {overrides}' if overrides else ''} - {results['env'].get('device')}"
                  f"{f'  [{source}]' if source else ''}", fontsize=11)
@@ -258,17 +352,58 @@ def figure(results: dict, source: str = ""):
 
 
 def main_generate(out: Path, shape: str, batch: int, prompt: int, new_tokens: int, paths, shared: bool,
-                  layers: int | None, smoke: bool, overrides: dict | None = None) -> dict:
-    device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+                  layers: int | None, smoke: bool, overrides: dict | None = None, tp: int = 1,
+                  device_map: str | None = None) -> dict:
+    """`bench_generate` printed and written (the JSON after every row, the PNG at the end). `tp` > 1: one of
+    `tp` processes under torchrun (`multi_gpu.require_torchrun`), rank 0 prints and writes; `device_map`: the
+    model dispatched over the GPUs. `smoke`: the tiny shape in float32, on the CPU (under TP: on the GPUs
+    where the machine has them, as transformers binds each rank to one)."""
+    try:
+        placement = Placement(tp=tp, device_map=device_map)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    multi_gpu.require_torchrun(tp)
+    on_gpus = torch.cuda.is_available() and (not smoke or tp > 1)
+    device = "cuda" if on_gpus else "cpu"
+    dtype = torch.bfloat16 if on_gpus and not smoke else torch.float32
     if smoke:
         shape, batch, prompt, new_tokens, layers = "tiny", 2, 40, 4, None
-    print(f"generate: {shape}{f' ({layers} layers)' if layers else ''}, B{batch}, prompt {prompt}"
-          f"{' (one prompt, shared)' if shared else ''}, {new_tokens} new tokens, {dtype}, {device}")
-    rows = bench_generate(shape, batch, prompt, new_tokens, paths, shared, layers, device, dtype, overrides)
-    if overrides:
-        print(f"  (patched paths with {overrides})")
-    results = {"env": environment(), "overrides": overrides or {}, "generate": [asdict(r) for r in rows]}
-    write(results, out, f"bench_generate_{shape}{f'_l{layers}' if layers else ''}_b{batch}_p{prompt}"
-                        f"{'_shared' if shared else ''}")
+    lead = int(os.environ.get("RANK", "0")) == 0  # the process group starts with the model (transformers')
+    if lead:
+        print(f"generate: {shape}{f' ({layers} layers)' if layers else ''}, B{batch}, prompt {prompt}"
+              f"{' (one prompt, shared)' if shared else ''}, {new_tokens} new tokens, {dtype}, {device}"
+              f"{f', {placement.label}' if placement.label else ''}")
+    name = (f"bench_generate_{shape}{f'_l{layers}' if layers else ''}_b{batch}_p{prompt}"
+            f"{'_shared' if shared else ''}{placement.tag}")
+    info = {"tp": tp, "device_map": device_map, "label": placement.label}
+
+    def results_of(rows: list[GenerateRow]) -> dict:  # "placement" only on several GPUs (one device: as before)
+        placed = {"placement": info} if placement.label else {}
+        return {"env": environment(), "overrides": overrides or {}, **placed, "generate": [asdict(r) for r in rows]}
+
+    def partial(rows: list[GenerateRow]) -> None:  # a run cut short still leaves the rows it measured
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(results_of(rows), indent=1))
+
+    rows = bench_generate(shape, batch, prompt, new_tokens, paths, shared, layers, device, dtype, overrides,
+                          placement, partial)
+    info["world"] = multi_gpu.world()
+    info["gpus"] = multi_gpu.gather(multi_gpu.describe_gpus(_process_gpus(device)))
+    results = results_of(rows)
+    if lead:
+        if overrides:
+            print(f"  (patched paths with {overrides})")
+        write(results, out, name)
+    multi_gpu.barrier()  # no rank leaves before rank 0 has written
+    if tp > 1:
+        multi_gpu.finish()  # the process group transformers started for the model: the bench was its only user
     return results
+
+
+def _process_gpus(device: str) -> list[torch.device]:
+    """The GPUs this process used: its own under TP, every visible one otherwise."""
+    if device != "cuda":
+        return []
+    if multi_gpu.distributed():
+        return [torch.device("cuda", torch.cuda.current_device())]
+    return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
