@@ -9,6 +9,18 @@ Every lm-eval ``run`` argument is accepted as lm-eval documents it. Added here:
   (`hshare.eval.tasks`) and passed to lm-eval as ``--include_path``; the hub is not contacted;
 * ``--model`` defaults to ``hshare``; ``pretrained`` defaults to the embedded SmolLM2;
 * after lm-eval's table, the work counters of the generations (label scorings, KV rows read).
+
+Several GPUs (see `hshare.eval.lm_eval_model`):
+
+* data parallel, one model copy per GPU, the documents split over them (lm-eval's own way)::
+
+      accelerate launch -m hshare eval --model_args pretrained=<dir or hub id>,hshare=ds@512 --tasks gsm8k
+
+  (``python -m hshare`` is the ``hshare`` command); the work counters printed are summed over the
+  ranks, by rank 0, which alone writes lm-eval's outputs;
+* one model split over GPUs: ``--model_args ...,parallelize=True`` runs ``hshare=dense``; a sparse
+  config is refused once the model is loaded, before any request, with a message naming what to
+  change (exit status 1).
 """
 
 from __future__ import annotations
@@ -60,7 +72,8 @@ def main_eval(argv: list[str]) -> int:
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
-    with tempfile.TemporaryDirectory(prefix="hshare-tasks-") as task_dir:
+    lm_eval_model.HShareLM.last = None
+    with tempfile.TemporaryDirectory(prefix="hshare-tasks-") as task_dir:  # one per process (rank)
         if argv[:2] != ["run", "--help"]:
             argv, offline = lm_eval_argv(argv, Path(task_dir))
             if offline:
@@ -71,9 +84,33 @@ def main_eval(argv: list[str]) -> int:
         try:
             cli = HarnessCLI()
             cli.execute(cli.parse_args())
+        except lm_eval_model.SplitPlacementError as error:
+            raise SystemExit(f"hshare eval: {error}") from None
         finally:
             sys.argv = saved
     lm = lm_eval_model.HShareLM.last
     if lm is not None:
-        print(f"hshare work counters ({lm.hshare_config.name}): {lm.work.as_dict()}")
+        print_work(lm)
+        if lm.world_size > 1:
+            _leave_process_group()
     return 0
+
+
+def _leave_process_group() -> None:
+    """End the data-parallel process group together (a rank exiting while another still holds it can
+    abort the other at exit)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def print_work(lm) -> None:
+    """Print the work counters of `lm`'s generations: summed over the data-parallel ranks, by rank
+    0 (every rank must call this: the sum is a collective)."""
+    work = lm.work_over_ranks()
+    if lm.rank != 0:
+        return
+    ranks = f", summed over {lm.world_size} data-parallel ranks" if lm.world_size > 1 else ""
+    print(f"hshare work counters ({lm.hshare_config.name}{ranks}): {work.as_dict()}")

@@ -19,19 +19,36 @@ From Python, with an already loaded model: ``HShareLM(pretrained=model, tokenize
 hshare="ds")``. Log-likelihood requests are plain forwards (exact dense attention); generation
 requests go through the patched ``generate`` with a fresh `HShareCache` per batch, whose work
 counters are summed in `HShareLM.work` (`WorkTotals`).
+
+Several GPUs:
+
+* data parallel, one model copy per GPU: ``accelerate launch -m hshare eval --model_args
+  pretrained=...,hshare=ds@512 ...``. lm-eval's HF model loads a copy on each rank's GPU and
+  splits the documents over the ranks (it does so when more than one CUDA device is visible; a
+  ``pretrained`` path is needed, so without one the embedded model is converted once and loaded
+  from its directory). Each rank patches its own copy; `HShareLM.work` counts that rank's
+  generations, `HShareLM.work_over_ranks` sums them over the ranks (``hshare eval`` prints the sum,
+  on rank 0). The copies of a rank's last request that lm-eval appends so that every rank runs as
+  many requests (`padding_copies`) are answered without generating, so that the sum counts each
+  document once. lm-eval itself writes results on rank 0 only.
+* one model split over GPUs (``parallelize=True``, or a ``device_map``): the ``dense`` config
+  runs; sparse configs are refused when the model is loaded, before any request
+  (`SplitPlacementError`, naming what to change).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterable
 
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from hshare.api import new_cache, patch, patch_state, unpatch
+from hshare.api import new_cache, patch, patch_state, refuse_split_placement, unpatch
 from hshare.config import ConfigError, HShareConfig
 from hshare.eval.harness import evaluation_config
 
@@ -57,6 +74,60 @@ class WorkTotals:
 
     def as_dict(self) -> dict[str, int]:
         return {"generate_calls": self.generate_calls, **self.counters}
+
+    @classmethod
+    def summed(cls, parts: Iterable[dict[str, int]]) -> "WorkTotals":
+        """The sum of several `as_dict` results (e.g. one per data-parallel rank)."""
+        total = cls()
+        for part in parts:
+            for name, value in part.items():
+                if name == "generate_calls":
+                    total.generate_calls += int(value)
+                else:
+                    total.counters[name] = total.counters.get(name, 0) + int(value)
+        return total
+
+
+class SplitPlacementError(ValueError):
+    """A sparse config on a model split over devices (``parallelize=True``, ``device_map``); the
+    message says what to change. ``hshare eval`` prints it and exits."""
+
+
+def padding_copies(requests: list[Any]) -> int:
+    """How many entries at the end of `requests` are lm-eval's data-parallel padding.
+
+    Under ``accelerate launch`` lm-eval's evaluator appends copies of a rank's last request (the
+    same `Instance` object, ``repeats`` entries per copy) so that every rank runs as many requests;
+    their answers are dropped. A request's own ``repeats`` entries are not padding.
+    """
+    if not requests:
+        return 0
+    last, run = requests[-1], 0
+    for request in reversed(requests):
+        if request is not last:
+            break
+        run += 1
+    return max(run - int(getattr(last, "repeats", 1) or 1), 0)
+
+
+def launched_processes() -> int:
+    """Processes of a distributed launch (``accelerate launch``, ``torchrun``: ``WORLD_SIZE``), 1 otherwise."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def default_model_dir() -> Path:
+    """The embedded model's converted directory, for lm-eval to load on every rank (converted once:
+    the first process to take the lock converts it, the others wait; no collective is involved)."""
+    from filelock import FileLock
+
+    from hshare.default_model import MODEL_NAME, cache_dir, load_default_model
+
+    path = cache_dir() / MODEL_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.parent / f"{MODEL_NAME}.lock")):
+        if not (path / "config.json").is_file():
+            load_default_model()
+    return path
 
 
 def parse_overrides(model_args: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +158,11 @@ class HShareLM(HFLM):
         hshare: the `HShareConfig`, preset name or YAML path.
         dense_fallback: keep the dense fallback of small decode steps (default off).
         **kwargs: lm-eval ``hf`` model arguments and ``hshare_<field>`` overrides.
+
+    Raises:
+        ConfigError: an unknown ``hshare_<field>`` or an invalid config (before loading).
+        SplitPlacementError: a sparse config and a model split over devices (after loading, before
+            any request).
     """
 
     last: "HShareLM | None" = None  # the latest instance (``hshare eval`` prints its work counters)
@@ -95,7 +171,12 @@ class HShareLM(HFLM):
                  dense_fallback: bool = False, **kwargs: Any) -> None:
         overrides = parse_overrides(kwargs)
         self.hshare_config = evaluation_config(hshare, overrides, dense_fallback)  # validated before loading
-        if pretrained is None:  # the embedded model, float32 unless a dtype is given
+        if pretrained is None and launched_processes() > 1:  # lm-eval's data parallelism needs a path
+            if kwargs.get("gguf_file"):
+                raise ValueError("gguf_file needs pretrained=<the directory or hub id holding it>")
+            pretrained = str(default_model_dir())
+            kwargs.setdefault("dtype", "float32")
+        elif pretrained is None:  # the embedded model, float32 unless a dtype is given
             from hshare.default_model import load_model, torch_dtype
 
             dtype = torch_dtype(kwargs.pop("dtype", "auto"), torch.float32)
@@ -103,8 +184,36 @@ class HShareLM(HFLM):
             kwargs.setdefault("tokenizer", tokenizer)
         super().__init__(pretrained=pretrained, **kwargs)
         self.work = WorkTotals()
+        try:
+            refuse_split_placement(self._model, self.hshare_config)
+        except ValueError as error:
+            raise SplitPlacementError(
+                f"{error}. With hshare eval: run data parallel instead, one model copy per GPU "
+                "(accelerate launch -m hshare eval ..., without parallelize=True or device_map in --model_args), "
+                "or evaluate the split model with hshare=dense"
+            ) from None
         patch(self._model, self.hshare_config)
         HShareLM.last = self
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """lm-eval's generation; under data parallelism its padding copies (`padding_copies`) get the
+        answer of the request they copy instead of being generated (and counted) again."""
+        padding = padding_copies(requests) if self.world_size > 1 else 0
+        if not padding:
+            return super().generate_until(requests, disable_tqdm)
+        answers = super().generate_until(requests[:-padding], disable_tqdm)
+        return answers + answers[-1:] * padding
+
+    def work_over_ranks(self) -> WorkTotals:
+        """`work` summed over lm-eval's data-parallel ranks; with one rank, `work` itself.
+
+        A collective (``all_gather_object``) under ``accelerate launch``: every rank must call it.
+        """
+        if self.world_size <= 1:
+            return self.work
+        parts: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(parts, self.work.as_dict())
+        return WorkTotals.summed(parts)
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
         if patch_state(self._model) is None:  # unpatched (`unpatch`): lm-eval's own generation

@@ -1,12 +1,25 @@
 """``hshare sweep``: every config of a sweep file on lm-eval tasks, resumable, with a table and a plot.
 
     hshare sweep --configs configs/sweeps/paper.yaml --tasks longbench_multi_news --limit 20 --out sweep/
+    hshare sweep --configs paper --tasks longbench_multi_news --devices auto --out sweep/  # every GPU
 
 The model is loaded once; each config runs `hshare.eval.harness.evaluate` and its result is written
 to ``<out>/runs/<config>.json`` as soon as it finishes, so an interrupted sweep resumes where it
-stopped (a finished config is skipped when its tasks, limit and config fields are unchanged).
+stopped (a finished config is skipped when its tasks, limit and config fields are unchanged; a
+config that was running when the sweep stopped has no run file and runs again).
 Then ``<out>/sweep.md``, ``sweep.csv``, ``sweep.json`` and ``sweep.png`` (score against attention
 cost, the paper's Fig. 4 style) are written from every run file.
+
+Several devices (``--devices cuda:0,cuda:1`` or ``--devices auto``, every visible CUDA device): one
+worker process per device (`sweep_worker`) loads the model once on its device and runs the configs
+the dispatcher (`run_parallel`) hands it, one at a time, next config to the first idle worker. Each
+worker writes its run files itself, exactly as a sequential sweep does (a config runs alone on its
+device, so its scores and work counters are those of a sequential run); the tables and plot are
+written once at the end from every run file. Task configs are prepared once, by the dispatcher. A
+worker's output (lm-eval's logs and progress bars) goes to ``<out>/logs/worker-<i>-<device>.log``.
+If a config fails, no further config is started, the running ones finish, and the sweep exits
+naming the config, the device and the log; the finished runs are kept for the next run. One device
+is the sequential sweep, in this process.
 
 Attention cost comes from the work counters of the decode steps (`hshare.cache.DecodeStats`): KV
 rows read by decode attention over what dense attention reads at the same steps, and the label
@@ -20,6 +33,10 @@ import csv
 import dataclasses
 import json
 import os
+import pickle
+import queue
+import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -190,6 +207,205 @@ def plot_sweep(rows: list[dict[str, Any]], out_path: Path) -> Path | None:
     return out_path
 
 
+# ---- several devices --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """How every config of a sweep runs (the command's options): the model to load, lm-eval's
+    settings and where runs go. Picklable: `sweep_worker` processes receive it.
+
+    Attributes:
+        record_meta: added to every run record (``date``, ``model``; the device is added by whoever
+            loaded the model).
+    """
+
+    tasks: list[str]
+    limit: int | float | None
+    out_dir: Path
+    model: str | None = None
+    gguf_file: str | None = None
+    dtype: str = "auto"
+    batch_size: int = 8
+    num_fewshot: int | None = None
+    gen_kwargs: str | None = None
+    dense_fallback: bool = False
+    log_samples: bool = False
+    record_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def evaluator(self, model, tokenizer, suite) -> Callable[[SweepEntry], Any]:
+        """entry -> `EvalResult` of `model` patched with the entry's config on `suite`."""
+        from hshare.eval.harness import evaluate
+
+        def evaluate_one(entry: SweepEntry):
+            return evaluate(model, tokenizer, entry.config(), suite, limit=self.limit, batch_size=self.batch_size,
+                            num_fewshot=self.num_fewshot, gen_kwargs=self.gen_kwargs,
+                            dense_fallback=self.dense_fallback, log_samples=self.log_samples)
+
+        return evaluate_one
+
+
+def parse_devices(value: str | None) -> list[str]:
+    """``--devices``: ``auto`` -> every visible CUDA device, else the comma-separated devices
+    (``cuda:0,cuda:1``; ``cpu,cpu`` runs two CPU workers, for tests). A device may repeat (two
+    workers on one GPU).
+
+    Raises:
+        SystemExit: not a device, a CUDA device that is not visible, or ``auto`` without CUDA.
+    """
+    if not value:
+        return []
+    import torch
+
+    visible = torch.cuda.device_count()
+    if value.strip() == "auto":
+        if not visible:
+            raise SystemExit("hshare sweep --devices auto: no CUDA device is visible; accepted: a list of "
+                             "devices, e.g. --devices cuda:0,cuda:1 (or --device cpu)")
+        return [f"cuda:{i}" for i in range(visible)]
+    devices = [d.strip() for d in value.split(",") if d.strip()]
+    for name in devices:
+        try:
+            device = torch.device(name)
+        except (RuntimeError, ValueError):
+            raise SystemExit(f"hshare sweep --devices: {name!r} is not a device; accepted: auto, or a list "
+                             "such as cuda:0,cuda:1") from None
+        if device.type == "cuda" and (not visible or (device.index or 0) >= visible):
+            raise SystemExit(f"hshare sweep --devices: {name} is not visible here ({visible} CUDA device(s)"
+                             f"{'' if not visible else f': cuda:0..cuda:{visible - 1}'}); check "
+                             "CUDA_VISIBLE_DEVICES, or use --devices auto")
+    return devices
+
+
+def use_device(device: str | None) -> None:
+    """Make an indexed CUDA device (``cuda:1``) this process's current one: kernels launched by
+    Triton and CUDA-graph capture use the current device, which must be the model's."""
+    if device:
+        import torch
+
+        parsed = torch.device(device)
+        if parsed.type == "cuda" and parsed.index is not None:
+            torch.cuda.set_device(parsed)
+
+
+def worker_log(out_dir: Path, index: int, device: str) -> Path:
+    return out_dir / "logs" / f"worker-{index}-{device.replace(':', '')}.log"
+
+
+def sweep_worker(index: int, device: str, settings: RunSettings, suite: bytes, inbox, outbox) -> None:
+    """One device's share of a sweep, in its own (spawned) process.
+
+    Loads the model on `device` once, then runs each config `inbox` hands over (None: stop) with
+    `run_sweep`, which writes its run file as a sequential sweep does. Its stdout and stderr go to
+    `worker_log`. Reports on `outbox`: ``("ready", index)`` once loaded, ``("done", index, name)``
+    after each config, ``("error", index, name or None, traceback)`` on a failure (and returns).
+
+    Args:
+        suite: the pickled `TaskSuite` the dispatcher prepared (tasks are prepared once).
+    """
+    from datetime import datetime, timezone
+
+    log = worker_log(settings.out_dir, index, device)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    stream = open(log, "a", buffering=1)
+    os.dup2(stream.fileno(), 1)
+    os.dup2(stream.fileno(), 2)
+    for std in (sys.stdout, sys.stderr):
+        std.reconfigure(line_buffering=True)
+    print(f"== {datetime.now(timezone.utc).isoformat(timespec='seconds')} worker {index} on {device}")
+    name = None
+    try:
+        from hshare.default_model import load_model
+
+        use_device(device)
+        model, tokenizer = load_model(settings.model, settings.gguf_file, settings.dtype, device)
+        evaluate_one = settings.evaluator(model, tokenizer, pickle.loads(suite))
+        meta = {**settings.record_meta, "device": str(model.device)}
+        outbox.put(("ready", index))
+        for entry in iter(inbox.get, None):
+            name = entry.name
+            print(f"== {name}")
+            run_sweep(SweepSpec([entry]), evaluate_one, settings.out_dir, settings.tasks, settings.limit, meta,
+                      dense_fallback=settings.dense_fallback)
+            outbox.put(("done", index, name))
+            name = None
+    except BaseException:  # noqa: BLE001 - reported to the dispatcher, which decides
+        traceback.print_exc()
+        outbox.put(("error", index, name, traceback.format_exc()))
+
+
+def run_parallel(entries: list[SweepEntry], devices: list[str], settings: RunSettings, suite: Any,
+                 progress: Callable[[str, str], None] | None = None) -> None:
+    """Run `entries` over `devices`: one `sweep_worker` process per device (no more than there are
+    entries), each config to the first idle worker. Run files are written by the workers; read
+    them with `finished`.
+
+    Args:
+        suite: the `TaskSuite` every worker uses (pickled to them).
+        progress: called with (config name, "run" | "done").
+
+    Raises:
+        SystemExit: a config (or loading the model on a device) failed; raised once the configs
+            running on the other devices have finished, and none is started after the failure.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    todo = list(entries)
+    blob = pickle.dumps(suite)
+    outbox = ctx.Queue()
+    inboxes, workers = [], []
+    for index, device in enumerate(devices[:len(todo)]):
+        inboxes.append(ctx.SimpleQueue())
+        workers.append(ctx.Process(target=sweep_worker, name=f"hshare-sweep-{index}-{device}",
+                                   args=(index, device, settings, blob, inboxes[index], outbox)))
+        workers[-1].start()
+    running: dict[int, str | None] = {i: None for i in range(len(workers))}  # live worker -> its config
+    failure: tuple[str | None, int, str] | None = None
+
+    def hand_out(i: int) -> None:
+        if todo and failure is None:
+            entry = todo.pop(0)
+            inboxes[i].put(entry)
+            running[i] = entry.name
+            if progress:
+                progress(entry.name, "run")
+        else:
+            inboxes[i].put(None)
+            del running[i]
+
+    completed = False
+    try:
+        while running:
+            try:
+                message = outbox.get(timeout=1.0)
+            except queue.Empty:
+                for i in [i for i in running if not workers[i].is_alive()]:
+                    failure = failure or (running[i], i, f"the worker exited with code {workers[i].exitcode}")
+                    del running[i]
+                continue
+            kind, i = message[0], message[1]
+            if kind == "error":
+                failure = failure or (message[2], i, message[3])
+                running.pop(i, None)
+                continue
+            if kind == "done" and progress:
+                progress(message[2], "done")
+            hand_out(i)
+        completed = True
+    finally:
+        for worker in workers:
+            if not completed and worker.is_alive():
+                worker.terminate()
+            worker.join()
+    if failure is not None:
+        name, i, trace = failure
+        what = f"config {name!r}" if name else "loading the model"
+        print(trace, file=sys.stderr)
+        raise SystemExit(f"hshare sweep: {what} failed on {devices[i]} (log: "
+                         f"{worker_log(settings.out_dir, i, devices[i])}); no config was started after it, "
+                         "the finished runs are kept: run the same command again to resume")
+
+
 # ---- the command ------------------------------------------------------------------------------
 
 def add_sweep_parser(subparsers) -> None:
@@ -200,6 +416,9 @@ def add_sweep_parser(subparsers) -> None:
     sweep.add_argument("--gguf-file", help="a GGUF file inside --model")
     sweep.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, ...")
     sweep.add_argument("--device", help="cuda, cpu, cuda:1 (default: CUDA when present)")
+    sweep.add_argument("--devices", help="spread the configs over several devices, one worker process (and model "
+                                         "copy) per device: cuda:0,cuda:1, or auto (every visible CUDA device); "
+                                         "worker logs in OUT/logs")
     sweep.add_argument("--data-dir", help="local task data (default: $HSHARE_DATA_DIR, else the hub)")
     sweep.add_argument("--limit", type=float, help="documents per task (an integer, or a fraction < 1)")
     sweep.add_argument("--batch-size", type=int, default=8)
@@ -226,7 +445,7 @@ def main_sweep(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from hshare.default_model import load_model
-    from hshare.eval.harness import TaskSuite, evaluate
+    from hshare.eval.harness import TaskSuite
 
     spec = load_sweep(args.configs)
     tasks = args.tasks.split(",") if args.tasks else spec.tasks
@@ -240,19 +459,29 @@ def main_sweep(args: argparse.Namespace) -> int:
             raise SystemExit(f"hshare sweep --report: no finished runs under {out_dir / RUNS}")
         return _report(records, out_dir, {"sweep": spec.source, "tasks": tasks, "runs": len(records),
                                           "of": len(spec.entries)})
-    model, tokenizer = load_model(args.model, args.gguf_file, args.dtype, args.device)
+    devices = parse_devices(getattr(args, "devices", None))
+    if devices and args.device:
+        raise SystemExit("hshare sweep: give --device (one device) or --devices (several), not both")
+    model_name = args.model or "SmolLM2-135M-Instruct (embedded)"
+    settings = RunSettings(tasks=tasks, limit=limit, out_dir=out_dir, model=args.model, gguf_file=args.gguf_file,
+                           dtype=args.dtype, batch_size=args.batch_size, num_fewshot=args.num_fewshot,
+                           gen_kwargs=args.gen_kwargs, dense_fallback=args.dense_fallback,
+                           log_samples=args.log_samples,
+                           record_meta={"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                        "model": model_name})
+    if len(devices) > 1:
+        return _main_parallel(args, spec, settings, devices)
+    device = devices[0] if devices else args.device
+    use_device(device)
+    model, tokenizer = load_model(args.model, args.gguf_file, args.dtype, device)
     gen_kwargs = args.gen_kwargs
-    meta = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "dtype": str(model.dtype),
+    meta = {"model": model_name, "dtype": str(model.dtype),
             "device": str(model.device), "sweep": spec.source, "tasks": tasks, "limit": limit,
             "data_dir": args.data_dir or os.environ.get("HSHARE_DATA_DIR"), "gen_kwargs": gen_kwargs,
             "dense_fallback": args.dense_fallback}
 
     suite = TaskSuite.prepare(tasks, args.data_dir, out_dir / "tasks")
-
-    def evaluate_one(entry: SweepEntry):
-        return evaluate(model, tokenizer, entry.config(), suite, limit=limit, batch_size=args.batch_size,
-                        num_fewshot=args.num_fewshot, gen_kwargs=gen_kwargs, dense_fallback=args.dense_fallback,
-                        log_samples=args.log_samples)
+    evaluate_one = settings.evaluator(model, tokenizer, suite)
 
     with tqdm(total=len(spec.entries), desc="sweep", unit="config") as bar:
         def progress(name: str, what: str) -> None:
@@ -261,15 +490,70 @@ def main_sweep(args: argparse.Namespace) -> int:
                 bar.update(1)
 
         records = run_sweep(spec, evaluate_one, out_dir, tasks, limit,
-                            {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                             "model": meta["model"], "device": meta["device"]}, progress, args.dense_fallback)
+                            {**settings.record_meta, "device": meta["device"]}, progress, args.dense_fallback)
     return _report(records, out_dir, meta)
+
+
+def _main_parallel(args: argparse.Namespace, spec: SweepSpec, settings: RunSettings, devices: list[str]) -> int:
+    """`main_sweep` over several devices: the unfinished configs to `run_parallel`, then the report
+    from every run file."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from hshare.default_model import torch_dtype
+    from hshare.eval.harness import TaskSuite
+
+    out_dir, tasks, limit = settings.out_dir, settings.tasks, settings.limit
+    first = torch.device(devices[0])
+    meta = {"model": settings.record_meta["model"],
+            "dtype": str(torch_dtype(args.dtype, torch.bfloat16 if first.type == "cuda" else torch.float32)),
+            "device": ",".join(devices), "sweep": spec.source, "tasks": tasks, "limit": limit,
+            "data_dir": args.data_dir or os.environ.get("HSHARE_DATA_DIR"), "gen_kwargs": args.gen_kwargs,
+            "dense_fallback": args.dense_fallback}
+    with tqdm(total=len(spec.entries), desc="sweep", unit="config") as bar:
+        pending = []
+        for entry in spec.entries:
+            if finished(out_dir, entry, tasks, limit, args.dense_fallback) is None:
+                pending.append(entry)
+            else:
+                bar.update(1)
+        if pending:
+            if args.model is None:
+                _convert_default_model()  # once, before the workers load it
+            suite = TaskSuite.prepare(tasks, args.data_dir, out_dir / "tasks")
+            workers = min(len(devices), len(pending))
+            bar.write(f"hshare sweep: {len(pending)} config(s) over {workers} worker(s) on "
+                      f"{', '.join(devices[:workers])}; their logs: {out_dir / 'logs'}")
+            running: list[str] = []
+
+            def progress(name: str, what: str) -> None:
+                if what == "run":
+                    running.append(name)
+                else:
+                    running.remove(name)
+                    bar.update(1)
+                bar.set_postfix_str(", ".join(running))
+
+            run_parallel(pending, devices, settings, suite, progress)
+    records = [finished(out_dir, e, tasks, limit, args.dense_fallback) for e in spec.entries]
+    missing = [e.name for e, r in zip(spec.entries, records) if r is None]
+    if missing:
+        raise SystemExit(f"hshare sweep: no run file for {missing} under {out_dir / RUNS} after the workers ended")
+    return _report(records, out_dir, meta)
+
+
+def _convert_default_model() -> None:
+    """Convert the embedded model once (`hshare.default_model`), so that workers only load it."""
+    from hshare.default_model import MODEL_NAME, cache_dir, load_default_model
+
+    if not (cache_dir() / MODEL_NAME / "config.json").is_file():
+        load_default_model()
 
 
 def _report(records: list[dict[str, Any]], out_dir: Path, meta: dict[str, Any]) -> int:
     rows = summarize(records)
     written = write_tables(rows, out_dir, meta)
-    png = plot_sweep(rows, out_dir / "sweep.png")
+    png = plot_sweep(rows, out_path=out_dir / "sweep.png")
     print((out_dir / "sweep.md").read_text())
     print("wrote " + ", ".join(str(p) for p in written + ([png] if png else [])))
     return 0
