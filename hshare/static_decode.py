@@ -13,7 +13,10 @@ under 10 ms of GPU work, issue 12). This module removes the host from the step:
    (``"dense"``, ``"select"``, ``"reuse"``: `hshare.step.STEP_KINDS`); the first step of a kind runs
    eagerly and is captured (`hshare.graphs.StepGraphs`), later ones replay it. A step costs a
    few small host launches (the inputs, the column, the validity) plus one graph launch.
-3. **Host bookkeeping outside the graph.** Lengths, the step counter, the query-group schedule,
+3. **Fused elementwise work.** Inside the recorded steps the layers' norms, rotary embedding and MLP
+   activation run compiled by inductor (`hshare.elementwise_fusion`, ``compile_elementwise``): what
+   transformers' compiled StaticCache path fuses, without compiling the step itself.
+4. **Host bookkeeping outside the graph.** Lengths, the step counter, the query-group schedule,
    the plan and the host counters advance on the host exactly as in eager decode; counters that
    the forward adds on the host (scorings) are measured once at capture and added per replay.
 
