@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import hshare
+from hshare import channels
 from hshare.calibrate import calibrate, default_calibration_path
 from hshare.channels import calibration_file_name, find_calibration, model_name, resolve_calibration
 
@@ -71,3 +73,25 @@ def test_default_path_is_writable(tmp_path, monkeypatch):
     monkeypatch.setenv("HSHARE_CACHE", str(tmp_path))
     path = default_calibration_path("Some/Model")
     assert path.name == "some-model.json" and path.parent.is_dir()
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 300, 1 << 24])  # a token a chunk, ragged chunks, one chunk
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (6, 2), (3, 1)])
+def test_channel_statistic_brute_force(monkeypatch, chunk_elements, q_heads, kv_heads):
+    monkeypatch.setattr(channels, "STATISTIC_CHUNK_ELEMENTS", chunk_elements)
+    batch, tokens, dim = 3, 23, 8
+    query = torch.randn(batch, q_heads, tokens, dim, dtype=torch.bfloat16)
+    keys = torch.randn(batch, kv_heads, tokens, dim, dtype=torch.bfloat16)
+    valid = torch.rand(batch, tokens) > 0.3
+    valid[0] = False  # a row with no valid token (all padding) sums to zero
+    got = channels.channel_statistic(query, keys, valid)
+    expected = torch.zeros(batch, q_heads, dim, dtype=torch.float64)
+    group = q_heads // kv_heads
+    for b in range(batch):
+        for h in range(q_heads):
+            for t in range(tokens):
+                if valid[b, t]:
+                    expected[b, h] += (query[b, h, t].double() * keys[b, h // group, t].double()).abs()
+    assert got.dtype == torch.float32 and got.shape == (batch, q_heads, dim)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
