@@ -4,12 +4,19 @@ For each path: profile a ``generate`` of N + 1 new tokens and one of 1 new token
 their per-kernel CUDA totals and divide by N: the kernels of one decode step. Patched presets run
 eagerly (``cuda_graphs=False``) unless ``--graphs`` (the profiler sees the kernels inside graph replays too). Prints the step's GPU milliseconds and its heaviest kernels, and writes JSON.
 
-Run: ``python3 benchmarks/profile_decode.py --shape llama2-7b --layers 8 --batch 16 --prompt 4096``.
+``--prefill``: the prefill instead (a ``generate`` of 1 new token), with the GPU time inside each of
+hshare's prefill functions (`PREFILL_RANGES`: labels, dynamic channels, the planner's evidence),
+which is what a sparse preset adds to prefill (issue 12 asks for at most 5%).
+
+Run: ``python3 benchmarks/profile_decode.py --shape llama2-7b --layers 8 --batch 16 --prompt 4096 [--prefill]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import importlib
 import json
 import os
 from collections import Counter
@@ -22,8 +29,40 @@ import hshare
 from hshare.bench.generate import build_model
 
 
+# hshare's prefill work, as (module, attribute) pairs: each call is profiled as a range of that name
+PREFILL_RANGES = (("hshare.attention", "_prefill_policy"), ("hshare.attention", "_record_evidence"),
+                  ("hshare.policy", "dynamic_channels"), ("hshare.labels", "LabelCache.append"),
+                  ("hshare.attention", "layer_overlaps"), ("hshare.attention", "head_similarity"),
+                  ("hshare.attention", "select_heavy"), ("hshare.cache", "HShareCache.set_reserve"))
+
+
+@contextlib.contextmanager
+def prefill_ranges():
+    """Wrap each of `PREFILL_RANGES` in a profiler range ``hshare:<name>`` while the block runs."""
+    saved = []
+    for module_name, attribute in PREFILL_RANGES:
+        owner = importlib.import_module(module_name)
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
+
+        def ranged(*args, __original=original, __name=attribute, **kwargs):
+            with torch.profiler.record_function(f"hshare:{__name}"):
+                return __original(*args, **kwargs)
+
+        saved.append((owner, name, original))
+        setattr(owner, name, functools.wraps(original)(ranged))
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
 def kernel_totals(model, ids, mask, tokens: int, **kwargs) -> Counter:
-    """CUDA microseconds per kernel name over one ``generate`` of `tokens` new tokens."""
+    """CUDA microseconds per kernel name (and per ``hshare:`` range) over one ``generate`` of `tokens` new
+    tokens."""
     cuda = ids.is_cuda
     activity, kind = (ProfilerActivity.CUDA, torch.autograd.DeviceType.CUDA) if cuda else \
         (ProfilerActivity.CPU, torch.autograd.DeviceType.CPU)  # CPU: a smoke run of the script itself
@@ -34,9 +73,20 @@ def kernel_totals(model, ids, mask, tokens: int, **kwargs) -> Counter:
             torch.cuda.synchronize()
     totals = Counter()
     for event in prof.key_averages():
-        if event.device_type == kind:
+        if event.key.startswith("hshare:"):  # a range: the device time of the kernels inside it
+            totals[event.key] += event.device_time_total if cuda else event.cpu_time_total
+        elif event.device_type == kind:
             totals[event.key] += event.device_time_total if cuda else event.self_cpu_time_total
     return totals
+
+
+def prefill_kernels(model, path: str, ids, mask) -> Counter:
+    """Kernels and ``hshare:`` ranges of a 1-token ``generate`` (the prefill) of one path."""
+    cache = (lambda: {}) if path == "unpatched" else (lambda: {"past_key_values": hshare.new_cache(model)})
+    with hshare.patched(model, path, prefix="off") if path != "unpatched" else contextlib.nullcontext():
+        kernel_totals(model, ids, mask, 1, **cache())  # warm-up
+        with prefill_ranges():
+            return kernel_totals(model, ids, mask, 1, **cache())
 
 
 def step_kernels(model, path: str, ids, mask, steps: int, graphs: bool) -> Counter:
@@ -68,22 +118,32 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--graphs", action="store_true", help="patched paths replay CUDA graphs (default: eager)")
+    parser.add_argument("--prefill", action="store_true", help="profile the prefill (1 new token) instead")
     args = parser.parse_args()
     model = build_model(args.shape, args.layers, args.device, torch.bfloat16, args.prompt + args.steps + 16)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), generator=generator).to(args.device)
     mask = torch.ones_like(ids)
     results = {}
+    what = "prefill" if args.prefill else "decode step"
     for path in args.paths.split(","):
-        kernels = step_kernels(model, path, ids, mask, args.steps, args.graphs)
+        if args.prefill:
+            kernels = prefill_kernels(model, path, ids, mask)
+        else:
+            kernels = step_kernels(model, path, ids, mask, args.steps, args.graphs)
+        ranges = {name: us for name, us in kernels.items() if name.startswith("hshare:")}
+        kernels = Counter({name: us for name, us in kernels.items() if name not in ranges})
         total = sum(kernels.values())
-        results[path] = {"step_ms": total / 1e3, "kernels_us": dict(kernels.most_common())}
-        print(f"\n{path}: {total / 1e3:.2f} ms of GPU work per decode step ({args.layers} layers)")
+        results[path] = {"ms": total / 1e3, "kernels_us": dict(kernels.most_common()), "ranges_us": ranges}
+        print(f"\n{path}: {total / 1e3:.2f} ms of GPU work per {what} ({args.layers} layers)")
+        for name, us in sorted(ranges.items(), key=lambda item: -item[1]):
+            print(f"  {us:9.1f} us  {us / total:6.1%}  inside {name}")
         for name, us in kernels.most_common(args.top):
             print(f"  {us:9.1f} us  {us / total:6.1%}  {name[:110]}")
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile_decode_{args.shape}_l{args.layers}_b{args.batch}_p{args.prompt}{'_graphs' if args.graphs else ''}.json").write_text(
+    suffix = "_prefill" if args.prefill else "_graphs" if args.graphs else ""
+    (out / f"profile_decode_{args.shape}_l{args.layers}_b{args.batch}_p{args.prompt}{suffix}.json").write_text(
         json.dumps(results, indent=1))
 
 
