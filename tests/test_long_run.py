@@ -24,6 +24,7 @@ from collections import Counter
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 import hshare
@@ -93,8 +94,10 @@ def tensors_held_by(root) -> list[torch.Tensor]:
 
 
 def all_tensors() -> list[torch.Tensor]:
+    """Every live tensor with real storage (torch.compile's fake tensors, kept by its caches after an
+    earlier test compiled something, hold none)."""
     gc.collect()
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor) and not isinstance(obj, FakeTensor)]
 
 
 def rss_bytes() -> int | None:
