@@ -5,7 +5,7 @@
    with the best tiles. Time of the kernel alone, as a CUDA graph (GPU time), microseconds.
 2. Gather-attention (`gather_attention_triton`) over a dense own part (256 tokens, the prefix
    benchmark's own part) and over N_c = 512 random rows of a 4k context (the sparse path):
-   BLOCK_N, warps and stages.
+   BLOCK_N, warps and stages, then the split count over N_c with the best of those.
 3. The whole shared step: prefix states + own part in two launches, in one launch
    (`shared_decode_attention_triton`, a few warps/stages), and dense SDPA.
 4. The one-launch kernel: prefix tiles and splits, the own part's tile and split count, warps and
@@ -86,7 +86,7 @@ def main() -> None:
                                  "best": {"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages,
                                           "splits": chosen, "us": splits[chosen]}})
 
-    print("gather kernel (graph us): case | auto | best (block_n, warps, stages) | GB/s at best")
+    print("gather kernel (graph us): case | auto | best (block_n, warps, stages) splits | GB/s at best")
     gather_cases = [("own256 B256", 256, 8, 32, 256, 256, True), ("own256 B64", 64, 8, 32, 256, 256, True),
                     ("own256 B2", 2, 8, 32, 256, 256, True), ("Nc512 n4k B16 MHA", 16, 32, 32, 4096, 512, False),
                     ("Nc512 n4k B64 GQA", 64, 8, 32, 4096, 512, False)]
@@ -104,11 +104,19 @@ def main() -> None:
             configs[(bn, warps, stages)] = graph_us(lambda: gather_attention_triton(
                 q, k, v, idx, scale, block_n=bn, num_warps=warps, num_stages=stages))
         chosen = best(configs)
+        splits = {}  # the split over N_c (default: about two waves of SMs), with the best tiles
+        for count in (1, 2, 4, 8, 16):
+            splits[count] = graph_us(lambda: gather_attention_triton(
+                q, k, v, idx, scale, block_n=chosen[0], num_warps=chosen[1], num_stages=chosen[2], splits=count))
+        split = best(splits)
         moved = batch * kv_heads * budget * DIM * 2 * 2 + idx.numel() * idx.element_size()
-        print(f"{name:20s} | {auto:7.1f} | {configs[chosen]:7.1f} {chosen} | {moved / configs[chosen] / 1e3:6.0f}")
+        fastest = min(configs[chosen], splits[split])
+        print(f"{name:20s} | {auto:7.1f} | {configs[chosen]:7.1f} {chosen} splits={split} {splits[split]:7.1f} | "
+              f"{moved / fastest / 1e3:6.0f}")
         report["gather"].append({"case": name, "auto_us": auto, "configs": {str(k): v for k, v in configs.items()},
+                                 "splits": {str(k): v for k, v in splits.items()},
                                  "best": {"block_n": chosen[0], "num_warps": chosen[1], "num_stages": chosen[2],
-                                          "us": configs[chosen]}, "bytes": moved})
+                                          "splits": split, "us": fastest}, "bytes": moved})
 
     print("whole shared step (graph us): B P | dense | two launches | one launch (warps, stages) | ratio")
     for batch, prefix in SHAPES if "step" in sections else ():
