@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from hshare.kernels import channel_statistic
+
 
 def model_signature(model_config) -> str:
     """Shape signature that ties a calibration file to a model architecture."""
@@ -135,36 +137,6 @@ def resolve_calibration(heavy_channels: str, model_config) -> ChannelCalibration
             f"{model_signature(model_config)}; accepted: a file calibrated on this architecture, 'auto' or 'dynamic'"
         )
     return calibration
-
-
-STATISTIC_CHUNK_ELEMENTS = 1 << 24  # float32 elements of one chunk's temporaries (64 MiB)
-
-
-def channel_statistic(query: torch.Tensor, keys: torch.Tensor, token_valid: torch.Tensor) -> torch.Tensor:
-    """Sum over valid tokens of ``|q_c * k_c|`` per query head.
-
-    Computed over chunks of tokens, so that the float32 temporaries stay near
-    `STATISTIC_CHUNK_ELEMENTS` whatever the prompt (a whole Llama-2-7B prefill of 16 x 4096 tokens
-    would otherwise make several 1 GiB float32 copies of the queries and keys per layer).
-
-    Args:
-        query: ``[B, Hq, T, d]`` post-RoPE queries.
-        keys: ``[B, Hkv, T, d]`` post-RoPE keys of the same tokens.
-        token_valid: ``[B, T]`` bool.
-
-    Returns:
-        ``[B, Hq, d]`` float32.
-    """
-    batch, q_heads, tokens, dim = query.shape
-    kv_heads = keys.shape[1]
-    total = torch.zeros(batch, kv_heads, q_heads // kv_heads, dim, dtype=torch.float32, device=query.device)
-    chunk = max(1, STATISTIC_CHUNK_ELEMENTS // max(1, batch * q_heads * dim))
-    for start in range(0, tokens, chunk):
-        end = min(tokens, start + chunk)
-        q = query[:, :, start:end].float().abs().reshape(batch, kv_heads, q_heads // kv_heads, end - start, dim)
-        k = keys[:, :, start:end].float().abs() * token_valid[:, None, start:end, None]
-        total += (q * k[:, :, None]).sum(3)
-    return total.reshape(batch, q_heads, dim)
 
 
 def dynamic_channels(query: torch.Tensor, keys: torch.Tensor, token_valid: torch.Tensor, selection: str,

@@ -1,10 +1,11 @@
 """Hot operations of sparse decoding: label quantization and scoring, gather-attention with LSE,
-and the exact LSE merge. Each is a plain-PyTorch function (the CPU path and the test oracle); the
-Triton kernels for CUDA tensors sit beside their twins.
+the exact LSE merge, and the prompt's heavy-channel statistic. Each is a plain-PyTorch function
+(the CPU path and the test oracle); the Triton kernels for CUDA tensors sit beside their twins.
 """
 
 from __future__ import annotations
 
+from .channel_statistic import channel_statistic, channel_statistic_torch
 from .critical_indices import NO_TOKEN, critical_indices, critical_indices_torch
 from .dense_decode import dense_decode_attention
 from .gather_attention import gather_attention, gather_attention_torch
@@ -15,6 +16,8 @@ from .prefix_attention import attention_with_lse, attention_with_lse_torch, shar
 from .shared_decode import PrefixKV, shared_decode_attention, shared_decode_attention_torch
 
 __all__ = [
+    "channel_statistic",
+    "channel_statistic_torch",
     "dense_decode_attention",
     "NO_TOKEN",
     "PrefixKV",

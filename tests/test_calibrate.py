@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -78,7 +79,7 @@ def test_default_path_is_writable(tmp_path, monkeypatch):
 @pytest.mark.parametrize("chunk_elements", [1, 300, 1 << 24])  # a token a chunk, ragged chunks, one chunk
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (6, 2), (3, 1)])
 def test_channel_statistic_brute_force(monkeypatch, chunk_elements, q_heads, kv_heads):
-    monkeypatch.setattr(channels, "STATISTIC_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(sys.modules["hshare.kernels.channel_statistic"], "STATISTIC_CHUNK_ELEMENTS", chunk_elements)
     batch, tokens, dim = 3, 23, 8
     query = torch.randn(batch, q_heads, tokens, dim, dtype=torch.bfloat16)
     keys = torch.randn(batch, kv_heads, tokens, dim, dtype=torch.bfloat16)

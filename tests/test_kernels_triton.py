@@ -382,3 +382,23 @@ def test_shared_decode_attention_triton_matches_twin(q_heads, kv_heads, sel_per_
     assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_heads,kv_heads,dim", [(4, 4, 16), (6, 2, 16), (3, 1, 24)])  # MHA, GQA, a dim not a power of 2
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_channel_statistic_triton_matches_twin(dtype, q_heads, kv_heads, dim, splits):
+    from hshare.kernels import channel_statistic_torch
+    from hshare.kernels.channel_statistic_triton import channel_statistic_triton
+
+    batch, tokens = 3, 77  # not a multiple of the token tile
+    query = torch.randn(batch, tokens, q_heads, dim, device=DEVICE).to(dtype).transpose(1, 2)  # the model's layout
+    keys = torch.randn(batch, kv_heads, tokens, dim, device=DEVICE).to(dtype)
+    valid = torch.rand(batch, tokens, device=DEVICE) > 0.2
+    valid[0, :40] = False  # left padding
+    valid[2] = False  # a row with no valid token sums to zero
+    got = channel_statistic_triton(query, keys, valid, splits=splits)
+    want = channel_statistic_torch(query, keys, valid)
+    assert got.dtype == torch.float32 and got.shape == (batch, q_heads, dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[2], torch.zeros_like(got[2])) and got[0].abs().sum() > 0
