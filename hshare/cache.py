@@ -230,6 +230,8 @@ class HShareCache(Cache):
         for layer in self.layers:
             for buffer in layer.buffers:
                 buffer.freeze()
+            if hasattr(layer.policy, "freeze"):  # metadata not kept per token (Quest's pages)
+                layer.policy.freeze(self.reserve)
             layer.keys, layer.values = layer._keys.view(), layer._values.view()
             layer.column = self.static.column
         return self.static
@@ -240,6 +242,8 @@ class HShareCache(Cache):
         for layer in self.layers:
             for buffer in layer.buffers:
                 buffer.thaw()
+            if hasattr(layer.policy, "thaw"):
+                layer.policy.thaw(layer._keys.length)
             layer.column = None
             if layer._keys.storage is not None:
                 layer.keys, layer.values = layer._keys.view(), layer._values.view()

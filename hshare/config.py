@@ -135,7 +135,7 @@ class HShareConfig:
             samples of each question after a common few-shot prefix).
         cuda_graphs: on CUDA, ``generate`` decodes with static shapes (buffers sized once for the
             prompt plus ``max_new_tokens``) and replays each kind of decode step as a CUDA graph
-            (`hshare.static_decode`); where that cannot apply (beam search, the quest policy, an
+            (`hshare.static_decode`); where that cannot apply (beam search, tensor parallelism, an
             unknown final length...) it decodes eagerly and says why in ``cache.static_decode``.
             False = always eager. Tokens are the same either way.
         compile_elementwise: inside those captured steps, the decoder layers' RMSNorms, rotary

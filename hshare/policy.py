@@ -86,13 +86,13 @@ def new_policy(config: HShareConfig, calibration: ChannelCalibration | None, lay
 
     Args:
         calibration: heavy channels of the model (labels), or None (chosen per row, dynamic).
-        reserve: columns to allocate at once (the generation's final length; labels only).
+        reserve: columns to allocate at once (the generation's final length).
         query: ``[B, Hq, T, d]`` the prefill queries; new_keys: ``[B, Hkv, T, d]`` their keys;
             new_valid: ``[B, T]`` validity of those keys (dynamic channels use all three).
     """
     sel_heads = kv_heads if config.selection == "kv_head" else query.shape[1]
     if config.policy == "quest":
-        return QuestPageCache(sel_heads, kv_heads, config.page_size)
+        return QuestPageCache(sel_heads, kv_heads, config.page_size, reserve)
     if calibration is not None:
         channels = calibration.channels(layer, kv_heads, config.selection, config.label_channels).to(query.device)
     else:

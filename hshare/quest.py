@@ -24,6 +24,11 @@ top-``heavy`` middle-window tokens by this key are the middle-window tokens of t
 page after page; only the last page taken is cut when the budget ends inside it. Pages that straddle
 the sink or local window contribute their middle tokens only (the windows are always kept anyway).
 
+Static shapes (`hshare.static_decode`, CUDA graphs): with a reserve, every page slot the
+generation can reach is allocated once (sentinels), `freeze` makes the scores cover all of them and
+all reserved columns at every step, and `write` folds the step's key into its page at a column
+held in a device tensor.
+
 All of it is plain PyTorch (CPU and CUDA alike); nothing here goes through the label kernels.
 """
 
@@ -87,33 +92,60 @@ class QuestPageCache:
 
     unit = "pages"  # one scoring scores every page slot (DecodeStats.scored_pages)
 
-    def __init__(self, sel_heads: int, kv_heads: int, page_size: int) -> None:
+    def __init__(self, sel_heads: int, kv_heads: int, page_size: int, reserve: int = 0) -> None:
         self.sel_heads = sel_heads
         self.kv_heads = kv_heads
         self.page_size = page_size
-        self.low = GrowingBuffer()
-        self.high = GrowingBuffer()
+        self.low = GrowingBuffer(pages_for(reserve, page_size))
+        self.high = GrowingBuffer(pages_for(reserve, page_size))
         self.shift: torch.Tensor | None = None
         self._length = 0
+        self.frozen_width: int | None = None  # static shapes: the columns every step scores
 
     @property
     def length(self) -> int:
-        """Cached columns covered by the pages."""
-        return self._length
+        """Cached columns covered by the pages (static shapes: every reserved column)."""
+        return self._length if self.frozen_width is None else self.frozen_width
 
     @property
     def pages(self) -> int:
-        return self.low.length
+        """Page slots scored (static shapes: every reserved slot)."""
+        view = self.low.view()
+        return 0 if view is None else view.shape[2]
 
     def scored_units(self) -> int:
         """Pages one (row, head) scoring computes now: every page slot P."""
         return self.pages
 
-    supports_static = False  # pages grow with the length: `hshare.static_decode` runs Quest eagerly
+    supports_static = True  # `write`: static-shape decode (`hshare.static_decode`)
+
+    # ---- static shapes ----------------------------------------------------------------------
+    def freeze(self, width: int) -> None:
+        """Static decode over `width` own columns per row (the reserve): every page slot they can
+        fall in is scored at every step (slots not reached yet hold the empty-page sentinels)."""
+        if self.low.capacity < pages_for(width, self.page_size):
+            raise RuntimeError(f"quest pages reserved for {self.low.capacity} slots, static decode needs "
+                               f"{pages_for(width, self.page_size)}")
+        self.low.freeze()
+        self.high.freeze()
+        self.frozen_width = width
+
+    def thaw(self, length: int) -> None:
+        """Back to growing pages after static steps wrote the columns up to `length`."""
+        self.low.thaw()
+        self.high.thaw()
+        self.frozen_width = None
+        self._length = length
+        self.low.length = self.high.length = pages_for(length, self.page_size)
 
     def write(self, column: torch.Tensor, new_key: torch.Tensor) -> None:
-        raise NotImplementedError("the quest policy has no static-shape decode (its page slots grow with the "
-                                  "length); hshare.static_decode runs it eagerly")
+        """Static shapes: fold one new key ``[B, Hkv, 1, d]`` at the column held in `column`
+        (``[1]`` int64 device tensor) into its page's bounds, each row's page from its shift; no
+        host value involved (a captured step writes where the replayed step is)."""
+        batch, kv_heads, _, dim = new_key.shape
+        page = ((column + self.shift) // self.page_size)[:, None, None, None].expand(batch, kv_heads, 1, dim)
+        for bounds, fold in ((self.low.storage, torch.minimum), (self.high.storage, torch.maximum)):
+            bounds.scatter_(2, page, fold(bounds.gather(2, page), new_key.to(bounds.dtype)))
 
     # ---- metadata ---------------------------------------------------------------------------
     def append(self, new_keys: torch.Tensor, valid: torch.Tensor | None = None) -> None:
@@ -135,10 +167,13 @@ class QuestPageCache:
         start, end = self._length, self._length + tokens
         first_page, last_page = start // size, (end - 1 + size - 1) // size
         big = torch.finfo(new_keys.dtype).max
-        if pages_for(end, size) > self.pages:  # new page slots start empty: sentinel bounds
-            grow = pages_for(end, size) - self.pages
-            self.low.claim((batch, kv_heads), grow, (dim,), new_keys.dtype, device).fill_(big)
-            self.high.claim((batch, kv_heads), grow, (dim,), new_keys.dtype, device).fill_(-big)
+        held = self.low.length
+        if pages_for(end, size) > held:  # new page slots start empty: sentinel bounds, reserved slots too
+            grow = pages_for(end, size) - held
+            self.low.claim((batch, kv_heads), grow, (dim,), new_keys.dtype, device)
+            self.high.claim((batch, kv_heads), grow, (dim,), new_keys.dtype, device)
+            self.low.storage[:, :, held:].fill_(big)
+            self.high.storage[:, :, held:].fill_(-big)
         low_all, high_all = self.low.view(), self.high.view()
         chunk = max(1, _APPEND_CHUNK_ELEMENTS // max(1, batch * kv_heads * size * dim))
         for lo_page in range(first_page, last_page + 1, chunk):
@@ -206,7 +241,7 @@ class QuestPageCache:
             ``[B', H', ..., n]`` float keys, larger = selected first: ``(P - rank(page)) *
             page_size - offset in page``, rank by score (descending, ties to the earlier page).
         """
-        size, pages, n = self.page_size, page_scores.shape[-1], self._length
+        size, pages, n = self.page_size, page_scores.shape[-1], self.length
         device = page_scores.device
         order = page_scores.argsort(dim=-1, descending=True, stable=True)
         rank = torch.empty_like(order)

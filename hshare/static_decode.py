@@ -29,8 +29,8 @@ host syncs, so any architecture the patch supports gets it.
 
 Where static decode does not apply, ``generate`` decodes eagerly (same tokens) and
 ``cache.static_decode.reason`` says why: ``cuda_graphs=False``, not CUDA, a model spread over
-devices, beam search / assisted decoding, per-token outputs (attentions, hidden states), the
-Quest policy (its page slots grow), a capture that failed (e.g. a rotary embedding that reads the
+devices, beam search / assisted decoding, per-token outputs (attentions, hidden states), a
+capture that failed (e.g. a rotary embedding that reads the
 device), or a generation that outgrows its reserved length (it goes on eagerly).
 """
 
@@ -115,8 +115,6 @@ def static_decode_unsupported(model, cache: HShareCache, kwargs: dict) -> str | 
     if (getattr(model, "tp_size", None) or 1) > 1:  # a rank failing a capture would leave the others waiting
         return (f"tensor parallelism (tp_size={model.tp_size}): capture of the model's collectives in CUDA graphs "
                 "is not yet tested on several GPUs")
-    if config.sparse and config.policy == "quest":
-        return f"policy={config.policy!r} has no static-shape decode (its page slots grow with the length)"
     if (generation_setting(model, kwargs, "num_beams") or 1) > 1:
         return "beam search reorders the cache every step"
     if kwargs.get("assistant_model") is not None or generation_setting(model, kwargs, "prompt_lookup_num_tokens"):

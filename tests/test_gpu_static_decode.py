@@ -47,7 +47,8 @@ def test_dense_graphs_equal_unpatched(dtype, lengths):
     assert torch.equal(out, reference)
 
 
-@pytest.mark.parametrize("preset", ["ds", "hshare-1_2-1_2-1_2", "hshare-7_8-3_4-1_2", "streaming"])
+@pytest.mark.parametrize("preset", ["ds", "hshare-1_2-1_2-1_2", "hshare-7_8-3_4-1_2", "streaming", "quest",
+                                    "quest-1_2-1_2-1_2"])
 @pytest.mark.parametrize("scope", ["batch", "sample"])
 def test_sparse_graphs_equal_eager(preset, scope):
     model = tiny_llama(kv_heads=2, layers=4).cuda()
@@ -110,7 +111,7 @@ def test_repeated_calls_other_shapes_no_stale_graph():
         assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("preset", ["dense", "ds", "hshare-1_2-1_2-1_2"])
+@pytest.mark.parametrize("preset", ["dense", "ds", "hshare-1_2-1_2-1_2", "quest-1_2-1_2-1_2"])
 def test_no_host_sync_in_a_replayed_step(monkeypatch, preset):
     model = tiny_llama().cuda()
     ids, mask = _batch([50, 33, 41])

@@ -31,6 +31,7 @@ import property_support as ps  # registers and loads the hypothesis profile firs
 import hshare
 from hshare.kernels import dequantize_labels, gather_attention_torch, label_scores, quantize_labels
 from hshare.prefix import build_layout, detect_shared_prefix
+from hshare.quest import pages_for
 from hshare.selection import NO_TOKEN, RowWindows, nth_valid_columns, select_heavy
 
 PRESETS = hshare.preset_names()
@@ -545,13 +546,12 @@ def test_sparse_rows_decode_as_if_alone(scenario):
 
 
 @settings(max_examples=ps.examples("model_static_shapes"))
-@given(scenario=invariant_scenarios(presets=tuple(p for p in PRESETS if not p.startswith("quest")),
-                                    dtypes=("float32", "float64")))
+@given(scenario=invariant_scenarios(presets=PRESETS, dtypes=("float32", "float64")))
 def test_static_shape_decode_equals_eager_decode(scenario):
     """The static-shape step (buffers reserved at the final length, validity and the token's column
     as device tensors: what a CUDA graph captures, run eagerly on the CPU) decodes as the eager step
     does, in any scenario: same tokens and logits up to rounding, same work counters (static shapes
-    score every reserved column: ``scored_tokens`` = scorings x reserve)."""
+    score every reserved column: ``scored_tokens`` = scorings x reserve; Quest every reserved page slot)."""
     from hshare import static_decode
 
     spec, preset, overrides, batch, new_tokens = scenario  # fp32 / fp64: compared to rounding (module docstring)
@@ -585,7 +585,10 @@ def test_static_shape_decode_equals_eager_decode(scenario):
         else:
             assert ours.kv_rows_read == theirs.kv_rows_read
         if static.static_decode.reason == "" and static.reserve:
-            assert ours.scored_tokens == ours.score_computations * static.reserve
+            if static.config.policy == "quest":  # every reserved page slot
+                assert ours.scored_pages == ours.score_computations * pages_for(static.reserve, static.config.page_size)
+            else:
+                assert ours.scored_tokens == ours.score_computations * static.reserve
 
 
 def test_profiles_have_the_promised_sizes():

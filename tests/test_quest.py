@@ -76,6 +76,33 @@ def test_page_bounds_match_brute_force(page_size, decoded, chunk):
     assert bool((cache.low.view()[~has] == big).all()) and bool((cache.high.view()[~has] == -big).all())
 
 
+@pytest.mark.parametrize("page_size", [4, 5, 1])
+@pytest.mark.parametrize("spare", [0, 6])  # a generation that fills its reserve, and one that stops short
+def test_static_writes_match_brute_force(page_size, spare):
+    """Static shapes: pages reserved once (sentinels), the prompt appended, then each decode key
+    written at a column held in a device tensor; the bounds are the brute-force ones, the pages not
+    reached keep the sentinels, and every reserved slot / column is scored."""
+    decoded = 9
+    keys, valid = random_keys([23, 11, 17, 1], decoded)
+    reserve = 23 + decoded + spare
+    cache = QuestPageCache(2, keys.shape[1], page_size, reserve=reserve)
+    cache.append(keys[:, :, :23], valid[:, :23])
+    cache.freeze(reserve)
+    assert cache.pages == pages_for(reserve, page_size) and cache.length == reserve
+    for column in range(23, 23 + decoded):
+        cache.write(torch.tensor([column]), keys[:, :, column:column + 1])
+    low, high, has = page_bounds_reference(keys, valid, page_size)
+    reached = low.shape[2]
+    has = has[:, None, :, None].expand_as(low)
+    view_low, view_high = cache.low.view()[:, :, :reached], cache.high.view()[:, :, :reached]
+    assert torch.equal(view_low[has], low[has]) and torch.equal(view_high[has], high[has])
+    big = torch.finfo(keys.dtype).max
+    assert bool((view_low[~has] == big).all()) and bool((cache.low.view()[:, :, reached:] == big).all())
+    assert bool((cache.high.view()[:, :, reached:] == -big).all())
+    cache.thaw(23 + decoded)  # back to growing pages where the static steps left them
+    assert cache.length == 23 + decoded and cache.pages == reached
+
+
 def test_padded_row_is_paged_as_the_row_alone():
     keys, valid = random_keys([19, 6], decoded=5, seed=3)
     cache = filled_cache(keys, valid, 2, 4, prompt=19)

@@ -9,6 +9,7 @@ import torch
 
 import hshare
 from hshare import static_decode
+from hshare.quest import pages_for
 from conftest import VOCAB, left_pad, left_padded, tiny_llama, tiny_mistral
 
 SPARSE = dict(sink=2, local=4, heavy=6)
@@ -43,8 +44,11 @@ def _same_work(static_cache, eager_cache) -> None:
     for name in ("decode_steps", "sparse_steps", "dense_fallback_steps", "selection_steps", "score_computations",
                  "plans", "kv_rows_read", "dense_kv_rows"):
         assert getattr(ours, name) == getattr(theirs, name), name
-    # static shapes score every reserved column: scorings x reserve
-    assert ours.scored_tokens == ours.score_computations * static_cache.reserve
+    # static shapes score every reserved column (labels) or page slot (Quest): scorings x reserve
+    if static_cache.config.policy == "quest":
+        assert ours.scored_pages == ours.score_computations * pages_for(static_cache.reserve, static_cache.config.page_size)
+    else:
+        assert ours.scored_tokens == ours.score_computations * static_cache.reserve
 
 
 @pytest.mark.parametrize("preset,overrides", [
@@ -55,6 +59,8 @@ def _same_work(static_cache, eager_cache) -> None:
     ("hshare-1_2-1_2-1_2", dict(SPARSE, selection="query_head", group_lookahead=True)),
     ("streaming", dict(sink=2, local=6)),
     ("random-1_2-1_2-1_2", SPARSE),
+    ("quest", dict(SPARSE, page_size=4)),
+    ("quest-1_2-1_2-1_2", dict(SPARSE, page_size=3)),
 ])
 def test_static_shapes_equal_eager(preset, overrides):
     model = tiny_llama(kv_heads=2, layers=4)
@@ -132,18 +138,24 @@ def test_buffers_are_sized_exactly_once():
     assert cache.reserved_bytes() == kv + labels
 
 
-def test_outgrowing_the_reserve_goes_on_eagerly(monkeypatch):
+@pytest.mark.parametrize("preset,overrides", [("hshare-1_2-1_2-1_2", SPARSE),
+                                              ("quest-1_2-1_2-1_2", dict(SPARSE, page_size=4))])
+def test_outgrowing_the_reserve_goes_on_eagerly(monkeypatch, preset, overrides):
     model = tiny_llama()
     ids, mask = left_padded([25, 17])
-    eager, _ = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=False, new_tokens=10, **SPARSE)
+    eager, _ = _run(model, preset, ids, mask, static=False, new_tokens=10, **overrides)
     budget = static_decode.new_token_budget
     monkeypatch.setattr(static_decode, "new_token_budget", lambda *a: budget(*a) - 4)
     import hshare.api as api
     monkeypatch.setattr(api, "new_token_budget", static_decode.new_token_budget)
-    static, cache = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True, new_tokens=10, **SPARSE)
+    static, cache = _run(model, preset, ids, mask, static=True, new_tokens=10, **overrides)
     assert "outgrew its reserved" in cache.static_decode.reason
     assert torch.equal(static, eager)
     assert cache.static is None and cache.layers[0]._keys.capacity > cache.reserve  # grew after thawing
+    if preset.startswith("quest"):  # the pages went on growing from where the static steps left them
+        policy = cache.layers[1].policy
+        assert policy.frozen_width is None and policy.length == cache.own_length
+        assert policy.pages == pages_for(policy.length, 4)
 
 
 @pytest.mark.parametrize("outgrow", [False, True])
@@ -179,7 +191,6 @@ def test_generation_below_the_dense_fallback_makes_no_labels(monkeypatch, outgro
 
 
 @pytest.mark.parametrize("setup,reason", [
-    (dict(preset="quest", overrides=dict(sink=2, local=4, heavy=8, page_size=4)), "policy='quest'"),
     (dict(preset="ds", overrides=dict(SPARSE, cuda_graphs=False)), "cuda_graphs=False"),
     (dict(preset="ds", overrides=SPARSE, generate=dict(num_beams=2)), "beam search"),
     (dict(preset="dense", overrides={}, generate=dict(output_hidden_states=True, return_dict_in_generate=True)),
