@@ -2,7 +2,9 @@
 # Issue 12, session 8 on the device machine: the GPU tests of static decode, then `hshare bench generate`
 # at the Llama-2-7B shape with the layers' elementwise work fused (the default) and unfused
 # (`compile_elementwise: false`, YAML copies of the presets), in one process.
-#   bash benchmarks/device_fusion.sh [tests] [llama2] [llama3]
+#   bash benchmarks/device_fusion.sh [tests] [llama2] [llama3] [b8] [prefill] [gather]
+# b8: the short-context row (B8, 1k prompts); prefill: where a sparse preset's prefill time goes
+# (profile_decode.py --prefill); gather: the gather kernel's launch sweep, split counts included.
 set -o pipefail
 OUT=${OUT:-bench-results}
 mkdir -p "$OUT" /tmp/unfused
@@ -20,6 +22,14 @@ for what in "$@"; do
       timeout 300 hshare bench generate --out "$OUT" --shape llama2-7b --batch 16 --prompt 4096 --new-tokens 256 \
         --paths static,dense,hshare-1_2-1_2-1_2@512,ds@512,/tmp/unfused/dense.yaml,/tmp/unfused/hshare-1_2-1_2-1_2@512.yaml \
         2>&1 | tee -a "$OUT/bench_generate.log" ;;
+    b8)
+      timeout 200 hshare bench generate --out "$OUT" --shape llama2-7b --batch 8 --prompt 1024 --new-tokens 256 \
+        --paths static,dense,ds@512,hshare-1_2-1_2-1_2@512 2>&1 | tee -a "$OUT/bench_generate.log" ;;
+    prefill)
+      timeout 200 python3 benchmarks/profile_decode.py --prefill --layers 8 --batch 16 --prompt 4096 \
+        --paths unpatched,dense,ds@512,hshare-1_2-1_2-1_2@512 2>&1 | tee "$OUT/profile_prefill.log" ;;
+    gather)
+      timeout 240 python3 benchmarks/tune_kernels.py gather 2>&1 | tee "$OUT/tune_gather.log" ;;
     llama3)
       timeout 200 hshare bench generate --out "$OUT" --shape llama3-8b --batch 16 --prompt 4096 --new-tokens 256 \
         --paths static,dense,hshare-1_2-1_2-1_2@512 2>&1 | tee -a "$OUT/bench_generate.log" ;;
