@@ -127,11 +127,12 @@ def _timed(fn, gpus: list[torch.device]) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, reference, device: str,
-                 shape: str, shared: bool, overrides: dict | None = None) -> tuple[GenerateRow, torch.Tensor]:
+def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, shape: str, shared: bool,
+                 overrides: dict | None = None) -> tuple[GenerateRow, torch.Tensor]:
     """Time one path (see the module docstring) in this process; returns the row and the new tokens ``[B, N]``.
-    Under TP the row is this rank's: its own GPU's peak, the KV of its own heads (`merge_ranks` joins them).
-    The GPUs measured are the model's (`multi_gpu.model_gpus`)."""
+    Under TP the row is this rank's: its own GPU's peak, the KV of its own heads (`merge_ranks` joins them,
+    and sets the agreement with the reference tokens). The GPUs measured are the model's
+    (`multi_gpu.model_gpus`)."""
     import hshare
 
     kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
@@ -159,7 +160,6 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
         peaks = multi_gpu.peaks_gib(gpus) or [0.0]
     batch, width = ids.shape
     new = out[:, width:]
-    agreement = None if reference is None else float((new == reference).float().mean())
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     steps = {}
@@ -183,7 +183,7 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
     decode = batch * (new_tokens - 1) / max(total - prefill, 1e-9)
     row = GenerateRow(shape=shape, path=path, batch=batch, prompt=width, new_tokens=new_tokens, shared_prompt=shared,
                       prefill_s=prefill, decode_tok_s=decode, warmup_s=max(0.0, first - total), peak_gib=max(peaks),
-                      kv_gib=kv / 2**30, agreement=agreement, static_decode=static, peak_gib_per_gpu=peaks,
+                      kv_gib=kv / 2**30, agreement=None, static_decode=static, peak_gib_per_gpu=peaks,
                       decode_steps=steps)
     return row, new
 
@@ -255,7 +255,7 @@ def bench_generate(shape: str, batch: int, prompt: int, new_tokens: int, paths=P
             row = failed
         else:
             try:
-                local, new = measure_path(model, path, ids, mask, new_tokens, None, device, shape, shared, overrides)
+                local, new = measure_path(model, path, ids, mask, new_tokens, shape, shared, overrides)
                 result = (local, new.cpu(), "")
             except Exception as error:  # one broken path must not lose the others' numbers
                 if not isinstance(error, torch.OutOfMemoryError):
