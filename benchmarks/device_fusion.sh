@@ -2,9 +2,9 @@
 # Issue 12, session 8 on the device machine: the GPU tests of static decode, then `hshare bench generate`
 # at the Llama-2-7B shape with the layers' elementwise work fused (the default) and unfused
 # (`compile_elementwise: false`, YAML copies of the presets), in one process.
-#   bash benchmarks/device_fusion.sh [tests] [llama2] [llama3] [b8] [prefill] [gather]
+#   bash benchmarks/device_fusion.sh [tests] [llama2] [llama3] [b8] [prefill] [profile] [gather]
 # b8: the short-context row (B8, 1k prompts); prefill: where a sparse preset's prefill time goes
-# (profile_decode.py --prefill); gather: the gather kernel's launch sweep, split counts included.
+# (profile_decode.py --prefill); profile: the fused, replayed decode step's kernels; gather: the gather kernel's launch sweep, split counts included.
 set -o pipefail
 OUT=${OUT:-bench-results}
 mkdir -p "$OUT" /tmp/unfused
@@ -28,6 +28,9 @@ for what in "$@"; do
     prefill)
       timeout 200 python3 benchmarks/profile_decode.py --prefill --layers 8 --batch 16 --prompt 4096 \
         --paths unpatched,dense,ds@512,hshare-1_2-1_2-1_2@512 2>&1 | tee "$OUT/profile_prefill.log" ;;
+    profile)
+      timeout 200 python3 benchmarks/profile_decode.py --graphs --top 30 --layers 8 --batch 16 --prompt 4096 \
+        --paths dense,hshare-1_2-1_2-1_2@512 2>&1 | tee "$OUT/profile_graphs.log" ;;
     gather)
       timeout 240 python3 benchmarks/tune_kernels.py gather 2>&1 | tee "$OUT/tune_gather.log" ;;
     llama3)

@@ -6,7 +6,9 @@ Patching (transformers 5.x attention interface, no forward replacement):
 2. switches the model to it with ``set_attn_implementation`` (the previous one is restored by
    `unpatch`);
 3. adds a forward pre-hook on each attention module that hands the layer the generation's
-   `HShareCache` (``past_key_values`` is not among the attention function's kwargs);
+   `HShareCache` (``past_key_values`` is not among the attention function's kwargs), and a forward
+   hook on the model that builds the sparse layers' prefill metadata once a forward is done
+   (`HShareCache.finish_prefill`);
 4. wraps the instance's ``generate`` so that every call gets a fresh `HShareCache` (unless the
    caller passes a cache), which holds all state of that generation, and so that a prompt prefix
    shared by the rows is detected, prefilled once and held once (`hshare.shared_generate`).
@@ -58,6 +60,14 @@ def _hand_over_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tupl
     if isinstance(cache, HShareCache):
         kwargs["hshare_cache"] = cache
     return args, kwargs
+
+
+def _finish_prefill(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """After a forward of the model: the sparse layers' prefill metadata, now that the forward's
+    activations are freed (`HShareCache.finish_prefill`)."""
+    cache = kwargs.get("past_key_values", getattr(output, "past_key_values", None))
+    if isinstance(cache, HShareCache):
+        cache.finish_prefill()
 
 
 def new_cache(model) -> HShareCache:
@@ -212,6 +222,7 @@ def patch(model, config: HShareConfig | str | os.PathLike | None = None, **overr
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
     hooks = [m.register_forward_pre_hook(_hand_over_cache, with_kwargs=True) for m in adapter.attention_modules(model)]
+    hooks.append(model.register_forward_hook(_finish_prefill, with_kwargs=True))
     had_instance_generate = "generate" in model.__dict__
     model.__dict__[_STATE_ATTR] = PatchState(config, calibration, previous, hooks, had_instance_generate)
     if not had_instance_generate:

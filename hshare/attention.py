@@ -2,9 +2,10 @@
 
 * No `HShareCache` (a plain forward, lm-eval loglikelihood, a user's own cache): exact SDPA.
 * Prefill (q_len > 1, or the first token): exact SDPA, or with ``sparse_prefill`` each query row of
-  a sparse layer over its own critical tokens (`hshare.sparse_prefill`); sparse layers build their
-  selection policy's metadata (`hshare.policy`: label cache or Quest pages) and, when layers or
-  heads share, record the planner's evidence (keep-sets of the last query rows).
+  a sparse layer over its own critical tokens (`hshare.sparse_prefill`); sparse layers make their
+  selection policy (`hshare.policy`: label cache or Quest pages) and leave what its metadata and
+  the planner's evidence need; both are built once the forward is done
+  (`hshare.prefill_metadata`: not alive beside the forward's activations).
 * Shared prefix (`HShareCache.prefix`): prefill and decode attend exactly to the prefix levels
   held once (one batched product per group and KV head) and to the row's own columns (dense, or
   HShare-sparse on sparse layers), merged exactly by LSE.
@@ -25,12 +26,12 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from hshare import prefill_metadata
 from hshare.cache import HShareCache, HShareLayer
 from hshare.heads import head_shard
 from hshare.kernels import attention_with_lse, dense_decode_attention, gather_attention, merge_attention_states
-from hshare.planner import head_similarity, layer_overlaps
-from hshare.policy import SelectionPolicy, new_policy
-from hshare.selection import NO_TOKEN, prefill_middle_windows, select_heavy, valid_columns_from_mask
+from hshare.policy import new_policy
+from hshare.selection import NO_TOKEN, select_heavy, valid_columns_from_mask
 from hshare.sparse_prefill import sparse_prefill_attention
 
 ATTENTION_NAME = "hshare"
@@ -68,22 +69,22 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         if layer_idx == 0:
             cache.begin_prefill()
         sparse = cache.is_sparse_layer(layer_idx) and not cache.filling_prefix
-        if sparse:
+        if sparse:  # the policy from the prompt's queries; its metadata once the forward is done
             valid = valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0]
-            policy = _prefill_policy(cache, layer_idx, query, key, valid)
+            _prefill_policy(cache, layer_idx, query, key, valid)
+            prefill_metadata.defer(cache, layer_idx, query, valid)
         if prefix is not None:
             if config.sparse_prefill:
                 raise ValueError("HShareConfig.sparse_prefill does not combine with a shared prefix; accepted: "
                                  "prefix='off' (or 'auto', which does not share with sparse prefill)")
             out = _own_prefill_attention(query, key, value, attention_mask, scaling, prefix)
         elif sparse and config.sparse_prefill and kv_len > config.budget:
-            out = sparse_prefill_attention(query, key, value, attention_mask, scaling, policy, config.sink,
-                                           config.local, config.heavy), None
+            prefill_metadata.complete(cache, layer_idx)  # sparse prefill scores with the metadata now
+            out = sparse_prefill_attention(query, key, value, attention_mask, scaling, cache.layers[layer_idx].policy,
+                                           config.sink, config.local, config.heavy), None
         else:  # dense (a context within the budget: every row would attend to all its keys anyway)
             out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                          **kwargs)
-        if sparse and cache.collects_evidence:
-            _record_evidence(cache, layer_idx, query, valid)
         return out
 
     static = cache.static
@@ -100,7 +101,7 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         if static is None:
             layer.policy.append(key[:, :, layer.policy.length:])
         else:
-            layer.policy.write(static.column, key.index_select(2, static.column))
+            layer.policy.write(static.column, key)
     if not sparse or cache.state.dense_fallback:
         if not cache.state.dense_fallback:  # a dense step counted its reads once, at its start
             cache.work.add_dense_layer()
@@ -116,8 +117,7 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if windows.all_short and cache.prefix is None:  # every row fits the budget: exact dense attention
         cache.work.add_dense_layer()
         return _dense_decode(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    indices = windows.critical_indices(layer.heavy)
-    cache.work.add_indices(indices)
+    indices = windows.critical_indices(layer.heavy, count=cache.work.rows_read(query.device))
     return _decode_attention(cache, layer_idx, query, key, value, indices, scaling), None
 
 
@@ -180,48 +180,19 @@ def _own_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
 
 
 def _prefill_policy(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-                    valid: torch.Tensor) -> SelectionPolicy:
-    """The layer's selection-policy metadata, made at its first prefill, with the new keys added.
+                    valid: torch.Tensor) -> None:
+    """Make the layer's selection policy at its first prefill (heavy channels from the prompt's
+    queries and keys; its token metadata is appended by `hshare.prefill_metadata.complete`).
 
     Args:
         query: ``[B, Hq, T, d]`` prefill queries; key: ``[B, Hkv, n, d]`` all cached keys.
         valid: ``[B, n]`` key validity of the last query row.
     """
     layer: HShareLayer = cache.layers[layer_idx]
-    q_len, kv_len = query.shape[2], key.shape[2]
     if layer.policy is None:
+        q_len, kv_len = query.shape[2], key.shape[2]
         layer.policy = new_policy(cache.config, cache.calibration, layer_idx, query, key[:, :, kv_len - q_len:],
                                   valid[:, kv_len - q_len:], cache.kv_heads, cache.reserve)
-    start = layer.policy.length
-    layer.policy.append(key[:, :, start:], valid[:, start:])
-    return layer.policy
-
-
-def _record_evidence(cache: HShareCache, layer_idx: int, query: torch.Tensor, valid: torch.Tensor) -> None:
-    """This layer's keep-sets for a greedy plan: the heavy columns decode selection would choose
-    for the last `plan_rows` prefill query rows (same policy scores, same windows).
-
-    Args:
-        query: ``[B, Hq, T, d]`` prefill queries.
-        valid: ``[B, n]`` key validity of the last query row.
-    """
-    config = cache.config
-    layer: HShareLayer = cache.layers[layer_idx]
-    q_len, kv_len = query.shape[2], valid.shape[1]
-    rows = min(config.plan_rows, q_len)
-    # keys each evidence row sees: the row's valid keys, causally (a left-pad row sees none)
-    row_column = torch.arange(kv_len - rows, kv_len, device=query.device)[:, None]
-    causal = torch.arange(kv_len, device=query.device)[None, :] <= row_column
-    row_valid = valid[:, None, :] & causal[None] & valid[:, kv_len - rows:, None]  # [B, W, n]
-    middle = prefill_middle_windows(row_valid, config.sink, config.local)
-    scores = layer.policy.prefill_scores(query[:, :, q_len - rows:])  # [B, H_sel, W, n]
-    keep = select_heavy(scores, middle[:, None], config.heavy)
-    if config.head_sharing < 1:
-        cache.state.head_similarity[layer_idx] = head_similarity(keep, kv_len)
-    if config.layer_sharing < 1:
-        overlaps = layer_overlaps(keep, cache.earlier_keep_sets(layer_idx), kv_len)
-        cache.state.layer_similarity[layer_idx] = cache.heads.mean_over_ranks(overlaps)  # one layer plan for all ranks
-        layer.keep = keep
 
 
 def _select_heavy_columns(cache: HShareCache, layer_idx: int, query: torch.Tensor) -> torch.Tensor:

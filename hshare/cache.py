@@ -29,6 +29,7 @@ from hshare.config import HShareConfig
 from hshare.counters import DecodeStats, WorkCounters
 from hshare.heads import HeadShard
 from hshare.policy import SelectionPolicy
+from hshare.prefill_metadata import PendingPrefill, complete
 from hshare.prefix_store import PrefixStore
 from hshare.step import DecodeStep
 
@@ -41,6 +42,8 @@ class HShareLayer(CacheLayerMixin):
             `LabelCache` or a `QuestPageCache`; sparse layers, after prefill).
         heavy: ``[B, H_sel, heavy]`` heavy columns of the last selection (query groups reuse them).
         keep: ``[B, H_sel, W, heavy]`` prefill keep-sets, the planner's evidence (until planned).
+        pending: what the last prefill forward left for its metadata and evidence
+            (`hshare.prefill_metadata`; None once `HShareCache.finish_prefill` built them).
         prefix_width: columns held by the cache's shared-prefix store before this layer's own
             columns (counted in the sequence length transformers sees).
         column: static shapes: ``[1]`` int64 device tensor, the column the decode token is written
@@ -64,6 +67,7 @@ class HShareLayer(CacheLayerMixin):
         self.keep: torch.Tensor | None = None
         self.prefix_width = 0
         self.column: torch.Tensor | None = None
+        self.pending: PendingPrefill | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -218,6 +222,7 @@ class HShareCache(Cache):
     def freeze(self) -> StaticColumns:
         """Static-shape decode from now on (after prefill): every buffer is exposed whole (its
         reserved size), tokens are written at ``static.column``, validity is ``static.valid``."""
+        self.finish_prefill()
         keys = self.layers[0]._keys.storage
         if keys is None or not self.reserve or keys.shape[2] != self.reserve:
             raise RuntimeError("static shapes need buffers reserved at the generation's final length "
@@ -344,8 +349,17 @@ class HShareCache(Cache):
         return [self.layers[i].keep for i in self.sparse_layers if i < layer and self.layers[i].keep is not None]
 
     # ---- steps --------------------------------------------------------------------------
+    def finish_prefill(self) -> None:
+        """Build the metadata and evidence the last prefill forward left to its sparse layers
+        (`hshare.prefill_metadata.complete`; nothing when none is pending). The patched model calls
+        it after each forward; every later use of the metadata calls it first."""
+        for index, layer in enumerate(self.layers):
+            if layer.pending is not None:
+                complete(self, index)
+
     def begin_prefill(self) -> None:
         """A prefill forward (q_len > 1) invalidates the plan and selections of earlier steps."""
+        self.finish_prefill()
         self.state.begin_prefill()
         for layer in self.layers:
             layer.heavy = None
@@ -362,6 +376,7 @@ class HShareCache(Cache):
         Args:
             columns: own columns of every row at this step (the new token included).
         """
+        self.finish_prefill()
         state, config = self.state, self.config
         # dense throughout: no labels were made, so every step (one past an outgrown reserve too) is dense
         kv_bytes = 0 if self.dense_throughout else self._layer_kv_bytes(batch, columns)
@@ -393,6 +408,7 @@ class HShareCache(Cache):
 
     # ---- transformers Cache API -------------------------------------------------------
     def _select_rows(self, rows: torch.Tensor) -> None:
+        self.finish_prefill()
         for layer in self.layers:
             layer.select_rows(rows)
         if self.prefix is not None:
@@ -416,6 +432,7 @@ class HShareCache(Cache):
             self._select_rows(torch.arange(batch, device=self.layers[0].device).repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
+        self.finish_prefill()
         super().crop(tokens_to_remove)
         self.state.last_selection = None
 

@@ -70,7 +70,7 @@ class WorkCounters:
     a device scalar, x Hkv x layers), what the prefix levels cost, and whether any row is longer
     than the budget. A dense step (every layer reads every valid own key) adds its reads there too,
     in one kernel; in a sparse step each layer adds what it read: every valid own key
-    (`add_dense_layer`) or the valid entries of its critical indices (`add_indices`). One int64 ``[3]`` tensor per device,
+    (`add_dense_layer`) or the valid entries of its critical indices (`rows_read`). One int64 ``[3]`` tensor per device,
     updated in place (a captured step updates it on every replay); `totals` syncs once.
 
     Args:
@@ -116,9 +116,10 @@ class WorkCounters:
         """A dense layer of a sparse step read every valid own key of every row, from every KV head."""
         self.on(self.own_keys.device)[_KV_ROWS_READ].add_(self.own_keys, alpha=self.kv_heads)
 
-    def add_indices(self, indices: torch.Tensor) -> None:
-        """A layer read the valid entries of its critical indices ``[B, H_sel, N_c]`` (-1 = none)."""
-        self.on(indices.device)[_KV_ROWS_READ].add_((indices >= 0).sum())
+    def rows_read(self, device: torch.device) -> torch.Tensor:
+        """``[1]`` view of the K/V-rows-read counter on `device`: a sparse layer's critical indices
+        add their valid entries to it as they are built (`hshare.kernels.critical_indices`)."""
+        return self.on(device)[_KV_ROWS_READ:_KV_ROWS_READ + 1]
 
     def totals(self) -> tuple[int, int, int]:
         """``(kv_rows_read, dense_kv_rows, sparse_steps)`` as ints (a host sync)."""

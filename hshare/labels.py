@@ -67,22 +67,12 @@ class LabelCache:
             zero = self.zero.claim(shape, tokens, (), store, device)
         append_labels(new_keys, self.channels, self.bits, codes, scale, zero)
 
-    def write(self, column: torch.Tensor, new_key: torch.Tensor) -> None:
-        """Static shapes: the labels of one new key ``[B, Hkv, 1, d]`` at the column held in
-        `column` (``[1]`` int64 device tensor; `hshare.buffer.GrowingBuffer.write`)."""
-        batch = new_key.shape[0]
-        width, code_dtype, store = self._layout(new_key.dtype)
-        new = dict(device=new_key.device)
-        codes = torch.empty(batch, self.sel_heads, 1, width, dtype=code_dtype, **new)
-        scale = zero = None
-        if self.bits != 16:
-            scale = torch.empty(batch, self.sel_heads, 1, dtype=store, **new)
-            zero = torch.empty(batch, self.sel_heads, 1, dtype=store, **new)
-        append_labels(new_key, self.channels, self.bits, codes, scale, zero)
-        self.codes.write(column, codes)
-        if self.bits != 16:
-            self.scale.write(column, scale)
-            self.zero.write(column, zero)
+    def write(self, column: torch.Tensor, keys: torch.Tensor) -> None:
+        """Static shapes: the label of the key at the column held in `column` (``[1]`` int64 device
+        tensor), read from the layer's whole key buffer `keys` ``[B, Hkv, n, d]`` and written into
+        the frozen label buffers at that column, in one launch."""
+        scale, zero = (None, None) if self.bits == 16 else (self.scale.storage, self.zero.storage)
+        append_labels(keys, self.channels, self.bits, self.codes.storage, scale, zero, column=column)
 
     def _layout(self, key_dtype: torch.dtype) -> tuple[int, torch.dtype, torch.dtype]:
         """``(code width per token, code dtype, scale / zero dtype)`` for keys of `key_dtype`."""

@@ -69,9 +69,10 @@ class SelectionPolicy(Protocol):
     def nbytes(self) -> int:
         """Bytes of the metadata."""
 
-    def write(self, column: torch.Tensor, new_key: torch.Tensor) -> None:
-        """Static shapes: the metadata of one new key ``[B, Hkv, 1, d]`` at the column held in the
-        ``[1]`` device tensor `column` (policies that support static-shape decode)."""
+    def write(self, column: torch.Tensor, keys: torch.Tensor) -> None:
+        """Static shapes: the metadata of the key at the column held in the ``[1]`` device tensor
+        `column`, read from the layer's whole key buffer `keys` ``[B, Hkv, n, d]`` (policies that
+        support static-shape decode)."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep / reorder / repeat batch rows (beam search, ``batch_select_indices``)."""

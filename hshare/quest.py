@@ -138,10 +138,11 @@ class QuestPageCache:
         self._length = length
         self.low.length = self.high.length = pages_for(length, self.page_size)
 
-    def write(self, column: torch.Tensor, new_key: torch.Tensor) -> None:
-        """Static shapes: fold one new key ``[B, Hkv, 1, d]`` at the column held in `column`
-        (``[1]`` int64 device tensor) into its page's bounds, each row's page from its shift; no
-        host value involved (a captured step writes where the replayed step is)."""
+    def write(self, column: torch.Tensor, keys: torch.Tensor) -> None:
+        """Static shapes: fold the key at the column held in `column` (``[1]`` int64 device tensor)
+        of the layer's whole key buffer `keys` ``[B, Hkv, n, d]`` into its page's bounds, each row's
+        page from its shift; no host value involved (a captured step writes where the replayed step is)."""
+        new_key = keys.index_select(2, column)
         batch, kv_heads, _, dim = new_key.shape
         page = ((column + self.shift) // self.page_size)[:, None, None, None].expand(batch, kv_heads, 1, dim)
         for bounds, fold in ((self.low.storage, torch.minimum), (self.high.storage, torch.maximum)):

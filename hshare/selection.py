@@ -112,17 +112,19 @@ class RowWindows:
             all_short=bool(short.all()) if sync else False,
         )
 
-    def critical_indices(self, heavy: torch.Tensor) -> torch.Tensor:
+    def critical_indices(self, heavy: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         """Union of sink, heavy and local columns per selection head (`kernels.critical_indices`).
 
         Args:
             heavy: ``[B, H, heavy]`` heavy columns (``NO_TOKEN`` allowed), chosen at the last
                 selection step (query groups reuse them; sink and local follow the current step).
 
+            count: optional ``[1]`` int64 device tensor the valid indices are added to.
+
         Returns:
             ``[B, H, N_c]`` integer columns; short rows get all their valid columns.
         """
-        return critical_indices(heavy, self.sink, self.local, self.dense, self.middle, self.short)
+        return critical_indices(heavy, self.sink, self.local, self.dense, self.middle, self.short, count)
 
 
 def select_heavy(scores: torch.Tensor, middle: torch.Tensor, heavy: int) -> torch.Tensor:

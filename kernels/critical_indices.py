@@ -21,17 +21,18 @@ NO_TOKEN = -1
 
 
 def critical_indices(heavy: torch.Tensor, sink: torch.Tensor, local: torch.Tensor, dense: torch.Tensor,
-                     middle: torch.Tensor, short: torch.Tensor) -> torch.Tensor:
+                     middle: torch.Tensor, short: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
     """Critical indices (contract: `critical_indices_torch`); Triton for CUDA tensors."""
     if use_triton(heavy):
         from .critical_indices_triton import critical_indices_triton
 
-        return critical_indices_triton(heavy, sink, local, dense, middle, short)
-    return critical_indices_torch(heavy, sink, local, dense, middle, short)
+        return critical_indices_triton(heavy, sink, local, dense, middle, short, count)
+    return critical_indices_torch(heavy, sink, local, dense, middle, short, count)
 
 
 def critical_indices_torch(heavy: torch.Tensor, sink: torch.Tensor, local: torch.Tensor, dense: torch.Tensor,
-                           middle: torch.Tensor, short: torch.Tensor) -> torch.Tensor:
+                           middle: torch.Tensor, short: torch.Tensor, count: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """Union of sink, still-middle heavy and local columns per selection head.
 
     Args:
@@ -40,6 +41,8 @@ def critical_indices_torch(heavy: torch.Tensor, sink: torch.Tensor, local: torch
         dense: ``[B, N_c]`` the first N_c valid columns (all of a short row's tokens).
         middle: ``[B, n]`` bool, the rows' middle windows this step.
         short: ``[B]`` bool, rows with no more valid tokens than N_c.
+        count: optional ``[1]`` int64 device tensor: the valid (not ``-1``) indices are added to it
+            (the work counters' K/V rows read, without a reduction kernel of their own).
 
     Returns:
         ``[B, H, N_c]`` int64 columns.
@@ -49,4 +52,7 @@ def critical_indices_torch(heavy: torch.Tensor, sink: torch.Tensor, local: torch
     heavy = torch.where(still_middle & (heavy >= 0), heavy, torch.full_like(heavy, NO_TOKEN))
     sparse = torch.cat((sink[:, None].expand(batch, heads, -1), heavy, local[:, None].expand(batch, heads, -1)),
                        dim=-1)
-    return torch.where(short[:, None, None], dense[:, None].expand(batch, heads, -1), sparse)
+    out = torch.where(short[:, None, None], dense[:, None].expand(batch, heads, -1), sparse)
+    if count is not None:
+        count.add_((out >= 0).sum())
+    return out

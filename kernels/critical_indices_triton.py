@@ -2,7 +2,8 @@
 
 Twin of `critical_indices.critical_indices_torch`. Program (row, selection head) writes its N_c
 indices: sink | heavy still in the middle window | local, or the row's first N_c valid columns for
-a short row; int32 (what the gather kernel reads).
+a short row; int32 (what the gather kernel reads). With a work counter it also adds the valid
+indices to it (one atomic add per program instead of a reduction kernel per layer).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import triton.language as tl
 
 @triton.jit
 def _critical_indices(
-    heavy_ptr, sink_ptr, local_ptr, dense_ptr, middle_ptr, short_ptr, out_ptr, n,
+    heavy_ptr, sink_ptr, local_ptr, dense_ptr, middle_ptr, short_ptr, out_ptr, count_ptr, n,
     s_hb, s_hh, s_sb, s_lb, s_db, s_mb, s_ob, s_oh,
     HEADS: tl.constexpr, SINK: tl.constexpr, HEAVY: tl.constexpr, LOCAL: tl.constexpr,
-    SINK_P: tl.constexpr, HEAVY_P: tl.constexpr, LOCAL_P: tl.constexpr,
+    SINK_P: tl.constexpr, HEAVY_P: tl.constexpr, LOCAL_P: tl.constexpr, COUNT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = (pid // HEADS).to(tl.int64)
@@ -46,10 +47,15 @@ def _critical_indices(
     local = tl.load(local_ptr + row * s_lb + j, mask=j_ok, other=-1)
     local = tl.where(short, tl.load(dense + SINK + HEAVY + j, mask=j_ok, other=-1), local)
     tl.store(out + SINK + HEAVY + j, local.to(tl.int32), mask=j_ok)
+    if COUNT:  # the valid indices of this (row, head), added to the work counter (integer: order-free)
+        valid = tl.sum((s_ok & (sink >= 0)).to(tl.int64), 0) + tl.sum((k_ok & (heavy >= 0)).to(tl.int64), 0) \
+            + tl.sum((j_ok & (local >= 0)).to(tl.int64), 0)
+        tl.atomic_add(count_ptr, valid)
 
 
 def critical_indices_triton(heavy: torch.Tensor, sink: torch.Tensor, local: torch.Tensor, dense: torch.Tensor,
-                            middle: torch.Tensor, short: torch.Tensor) -> torch.Tensor:
+                            middle: torch.Tensor, short: torch.Tensor, count: torch.Tensor | None = None
+                            ) -> torch.Tensor:
     """Same contract as `critical_indices.critical_indices`, returning int32 indices."""
     batch, heads, n_heavy = heavy.shape
     n_sink, n_local = sink.shape[1], local.shape[1]
@@ -59,11 +65,11 @@ def critical_indices_triton(heavy: torch.Tensor, sink: torch.Tensor, local: torc
     middle = middle.contiguous().view(torch.uint8) if middle.dtype == torch.bool else middle.contiguous()
     short = short.contiguous().view(torch.uint8) if short.dtype == torch.bool else short.contiguous()
     _critical_indices[(batch * heads,)](
-        heavy, sink, local, dense, middle, short, out, middle.shape[1],
+        heavy, sink, local, dense, middle, short, out, out if count is None else count, middle.shape[1],
         heavy.stride(0), heavy.stride(1), sink.stride(0), local.stride(0), dense.stride(0), middle.stride(0),
         out.stride(0), out.stride(1),
         HEADS=heads, SINK=n_sink, HEAVY=n_heavy, LOCAL=n_local,
         SINK_P=max(1, triton.next_power_of_2(n_sink)), HEAVY_P=max(1, triton.next_power_of_2(n_heavy)),
-        LOCAL_P=max(1, triton.next_power_of_2(n_local)),
+        LOCAL_P=max(1, triton.next_power_of_2(n_local)), COUNT=count is not None,
     )
     return out

@@ -60,7 +60,8 @@ def quantize_labels(labels: torch.Tensor, bits: int) -> tuple[torch.Tensor, torc
 
 
 def append_labels(new_keys: torch.Tensor, channels: torch.Tensor, bits: int, codes_out: torch.Tensor,
-                  scale_out: torch.Tensor | None, zero_out: torch.Tensor | None) -> None:
+                  scale_out: torch.Tensor | None, zero_out: torch.Tensor | None,
+                  column: torch.Tensor | None = None) -> None:
     """Quantize the labels of new keys into the label cache's storage (in place).
 
     Args:
@@ -70,6 +71,9 @@ def append_labels(new_keys: torch.Tensor, channels: torch.Tensor, bits: int, cod
         bits: 4, 8 or 16.
         codes_out: ``[B, H_sel, t, r or r/2]``; scale_out, zero_out: ``[B, H_sel, t]`` (None for
             16 bits): views of the cache's buffers.
+        column: static shapes: a ``[1]`` int64 device tensor. `new_keys` and the outputs are then
+            whole buffers ``[B, ., n, .]``; only the key at that column is quantized, and its
+            label written at the same column (no host read of the column, no copies).
 
     CUDA tensors (4/8 bits) use the Triton kernel (``HSHARE_KERNELS`` as for the other kernels);
     this body is the twin.
@@ -77,18 +81,22 @@ def append_labels(new_keys: torch.Tensor, channels: torch.Tensor, bits: int, cod
     if use_triton(new_keys) and bits in (4, 8) and new_keys.dtype != torch.float64:
         from .labels_triton import append_labels_triton
 
-        append_labels_triton(new_keys, channels, bits, codes_out, scale_out, zero_out)
+        append_labels_triton(new_keys, channels, bits, codes_out, scale_out, zero_out, column)
         return
+    if column is not None:
+        new_keys = new_keys.index_select(2, column)
     batch, kv_heads, tokens, _ = new_keys.shape
     sel_heads = channels.shape[1]
     kv_of_sel = torch.arange(sel_heads, device=new_keys.device) * kv_heads // sel_heads
     keys = new_keys.index_select(1, kv_of_sel)  # [B, H_sel, t, d]
     picked = keys.gather(-1, channels[:, :, None, :].expand(batch, -1, tokens, -1))
-    codes, scale, zero = quantize_labels(picked, bits)
-    codes_out.copy_(codes)
-    if scale is not None:
-        scale_out.copy_(scale)
-        zero_out.copy_(zero)
+    for stored, out in zip(quantize_labels(picked, bits), (codes_out, scale_out, zero_out)):
+        if stored is None:
+            continue
+        if column is None:
+            out.copy_(stored)
+        else:
+            out.index_copy_(2, column, stored)
 
 
 def dequantize_labels(codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,

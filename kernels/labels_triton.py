@@ -78,25 +78,30 @@ def score_heads_triton(query_labels: torch.Tensor, codes: torch.Tensor, scale: t
 
 @triton.jit
 def _append_labels(
-    keys_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr,
+    keys_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, column_ptr, tokens,
     s_kb, s_kh, s_kt, s_chp, s_chh, s_cb, s_ch, s_ct, s_sb, s_sh, s_st, s_zb, s_zh, s_zt,
     SEL_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, R: tl.constexpr,
-    BITS: tl.constexpr, LEVELS: tl.constexpr, STORE: tl.constexpr,
+    BITS: tl.constexpr, LEVELS: tl.constexpr, STORE: tl.constexpr, HAS_COLUMN: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
+    """Program (row, selection head, tile of BLOCK tokens): the tile's labels, one token per lane row."""
     pid = tl.program_id(0)
-    token = tl.program_id(1).to(tl.int64)
+    token = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = token < tokens
+    if HAS_COLUMN:  # static shapes: the token at the column held on the device, read and written there
+        token += tl.load(column_ptr)
     row = (pid // SEL_HEADS).to(tl.int64)
     head = pid % SEL_HEADS
     kv_head = (head * KV_HEADS // SEL_HEADS).to(tl.int64)
     chan_base = channels_ptr + head * s_chh
     if PER_ROW_CHANNELS:
         chan_base += row * s_chp
-    key_base = keys_ptr + row * s_kb + kv_head * s_kh + token * s_kt
     half = tl.arange(0, R // 2)
-    even = tl.load(key_base + tl.load(chan_base + 2 * half)).to(tl.float32)
-    odd = tl.load(key_base + tl.load(chan_base + 2 * half + 1)).to(tl.float32)
-    low = tl.minimum(tl.min(even, 0), tl.min(odd, 0))
-    high = tl.maximum(tl.max(even, 0), tl.max(odd, 0))
+    key_base = keys_ptr + row * s_kb + kv_head * s_kh + token[:, None] * s_kt
+    even = tl.load(key_base + tl.load(chan_base + 2 * half)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    odd = tl.load(key_base + tl.load(chan_base + 2 * half + 1)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    low = tl.minimum(tl.min(even, 1), tl.min(odd, 1))  # [BLOCK]
+    high = tl.maximum(tl.max(even, 1), tl.max(odd, 1))
     scale = (high - low) * (1.0 / LEVELS)  # as the twin
     if STORE == 2:  # quantize with the scale and zero that will be stored (as the twin)
         scale = _round_to_bf16(scale)
@@ -104,18 +109,18 @@ def _append_labels(
     elif STORE == 1:
         scale = scale.to(tl.float16).to(tl.float32)
         low = low.to(tl.float16).to(tl.float32)
-    safe = tl.where(scale > 0, scale, 1.0)
+    safe = tl.where(scale > 0, scale, 1.0)[:, None]
     # IEEE division as torch's tensor / tensor (Triton's '/' is approximate on the GPU)
-    code_even = _round_half_even(tl.math.div_rn(even - low, safe), LEVELS)
-    code_odd = _round_half_even(tl.math.div_rn(odd - low, safe), LEVELS)
-    out_base = codes_ptr + row * s_cb + head * s_ch + token * s_ct
+    code_even = _round_half_even(tl.math.div_rn(even - low[:, None], safe), LEVELS)
+    code_odd = _round_half_even(tl.math.div_rn(odd - low[:, None], safe), LEVELS)
+    out_base = codes_ptr + row * s_cb + head * s_ch + token[:, None] * s_ct
     if BITS == 4:
-        tl.store(out_base + half, (code_even | (code_odd << 4)).to(tl.uint8))
+        tl.store(out_base + half[None, :], (code_even | (code_odd << 4)).to(tl.uint8), mask=ok[:, None])
     else:
-        tl.store(out_base + 2 * half, code_even.to(tl.uint8))
-        tl.store(out_base + 2 * half + 1, code_odd.to(tl.uint8))
-    tl.store(scale_ptr + row * s_sb + head * s_sh + token * s_st, scale.to(scale_ptr.dtype.element_ty))
-    tl.store(zero_ptr + row * s_zb + head * s_zh + token * s_zt, low.to(zero_ptr.dtype.element_ty))
+        tl.store(out_base + 2 * half[None, :], code_even.to(tl.uint8), mask=ok[:, None])
+        tl.store(out_base + 2 * half[None, :] + 1, code_odd.to(tl.uint8), mask=ok[:, None])
+    tl.store(scale_ptr + row * s_sb + head * s_sh + token * s_st, scale.to(scale_ptr.dtype.element_ty), mask=ok)
+    tl.store(zero_ptr + row * s_zb + head * s_zh + token * s_zt, low.to(zero_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -137,8 +142,11 @@ def _round_half_even(x, LEVELS: tl.constexpr):
     return tl.minimum(tl.maximum(rounded, 0.0), LEVELS).to(tl.int32)
 
 
+APPEND_TOKENS = 32  # tokens per label-writing program (a prompt's keys; a decode step writes one)
+
+
 def append_labels_triton(new_keys: torch.Tensor, channels: torch.Tensor, bits: int, codes_out: torch.Tensor,
-                         scale_out: torch.Tensor, zero_out: torch.Tensor) -> None:
+                         scale_out: torch.Tensor, zero_out: torch.Tensor, column: torch.Tensor | None = None) -> None:
     """Same contract as `labels.append_labels` for 4 and 8 bits; r even; keys fp16/bf16/fp32."""
     batch, kv_heads, tokens, _ = new_keys.shape
     per_row, sel_heads, r = channels.shape
@@ -149,11 +157,15 @@ def append_labels_triton(new_keys: torch.Tensor, channels: torch.Tensor, bits: i
     if new_keys.stride(-1) != 1:
         new_keys = new_keys.contiguous()
     channels = channels.contiguous()
-    _append_labels[(batch * sel_heads, tokens)](
-        new_keys, channels, codes_out, scale_out, zero_out,
+    if column is not None:
+        tokens = 1
+    block = min(APPEND_TOKENS, triton.next_power_of_2(max(tokens, 1)))
+    _append_labels[(batch * sel_heads, triton.cdiv(tokens, block))](
+        new_keys, channels, codes_out, scale_out, zero_out, codes_out if column is None else column, tokens,
         new_keys.stride(0), new_keys.stride(1), new_keys.stride(2), channels.stride(0), channels.stride(1),
         codes_out.stride(0), codes_out.stride(1), codes_out.stride(2), scale_out.stride(0), scale_out.stride(1),
         scale_out.stride(2), zero_out.stride(0), zero_out.stride(1), zero_out.stride(2),
         SEL_HEADS=sel_heads, KV_HEADS=kv_heads, PER_ROW_CHANNELS=per_row > 1, R=r, BITS=bits,
         LEVELS=(1 << bits) - 1, STORE={torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[scale_out.dtype],
+        HAS_COLUMN=column is not None, BLOCK=block,
     )

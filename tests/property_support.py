@@ -438,8 +438,8 @@ class SelectionSpy:
         original_select = attention.select_heavy
         spy = self
 
-        def critical(windows, heavy):
-            out = original_critical(windows, heavy)
+        def critical(windows, heavy, count=None):
+            out = original_critical(windows, heavy, count)
             spy.critical_calls += 1
             if spy.expected_valid is not None:
                 want = spy.expected_valid(windows.valid.shape[1])

@@ -1,5 +1,7 @@
 """Triton kernels against their torch twins and an fp64 reference (CPU: TRITON_INTERPRET=1)."""
 
+import os
+
 import pytest
 import torch
 
@@ -152,7 +154,7 @@ def test_score_heads_triton_matches_reference(bits, n):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads,sel_heads,per_row", [(2, 2, False), (2, 4, True), (1, 3, False)])
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 45])  # 45: a whole tile of tokens and a partial one
 def test_append_labels_triton_matches_twin_exactly(bits, dtype, kv_heads, sel_heads, per_row, tokens):
     from hshare.kernels.labels import append_labels, label_storage_dtype
     from hshare.kernels.labels_triton import append_labels_triton
@@ -184,6 +186,38 @@ def test_append_labels_triton_matches_twin_exactly(bits, dtype, kv_heads, sel_he
         outs.append((codes, scale, zero))
     for got, want in zip(*outs):
         assert torch.equal(got, want)  # same codes, scale and zero, nothing written outside the tokens
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_labels_at_a_device_column(bits, dtype):
+    """Static shapes: the key at a column held in a device tensor, read from the whole key buffer and
+    its label written at that column of the whole label buffers; the kernel and the twin write what
+    quantizing that key alone gives (`quantize_labels`), and nothing else."""
+    from hshare.kernels.labels import append_labels, label_storage_dtype, quantize_labels
+
+    batch, kv_heads, sel_heads, n, dim, r = 3, 2, 4, 11, 32, 8
+    keys = torch.randn(batch, kv_heads, n, dim, device=DEVICE).to(dtype)
+    channels = torch.stack([torch.randperm(dim, device=DEVICE)[:r] for _ in range(batch * sel_heads)])
+    channels = channels.reshape(batch, sel_heads, r)
+    column = int(torch.randint(0, n, ()))
+    kv_of_sel = torch.arange(sel_heads) * kv_heads // sel_heads
+    picked = keys[:, kv_of_sel, column].gather(-1, channels)  # [B, H_sel, r]
+    want = quantize_labels(picked, bits)
+    store = label_storage_dtype(dtype)
+    for kernels in ("triton", "torch"):
+        codes = torch.full((batch, sel_heads, n, r * bits // 8), 77, dtype=torch.uint8, device=DEVICE)
+        scale = torch.full((batch, sel_heads, n), 9.0, dtype=store, device=DEVICE)
+        zero = torch.full_like(scale, 9.0)
+        os.environ["HSHARE_KERNELS"] = kernels
+        try:
+            append_labels(keys, channels, bits, codes, scale, zero, column=torch.tensor([column], device=DEVICE))
+        finally:
+            del os.environ["HSHARE_KERNELS"]
+        for got, expected, untouched in zip((codes, scale, zero), want, (77, 9.0, 9.0)):
+            assert torch.equal(got[:, :, column], expected), kernels
+            others = torch.cat((got[:, :, :column], got[:, :, column + 1:]), dim=2)
+            assert bool((others == untouched).all()), kernels
 
 
 @pytest.mark.slow  # ~40 s in the interpreter
@@ -342,9 +376,15 @@ def test_critical_indices_triton_matches_twin(sink, local, heavy):
     valid[2, 10:14] = False  # a hole (a user's mask)
     windows = RowWindows.build(valid, sink, local, sink + local + heavy)
     picks = torch.randint(-1, n, (batch, heads, heavy), device=DEVICE)  # stale, padded and fresh columns
-    got = critical_indices_triton(picks, windows.sink, windows.local, windows.dense, windows.middle, windows.short)
-    want = critical_indices_torch(picks, windows.sink, windows.local, windows.dense, windows.middle, windows.short)
+    start = int(torch.randint(0, 1000, ()))
+    counts = [torch.tensor([start], dtype=torch.int64, device=DEVICE) for _ in range(2)]
+    got = critical_indices_triton(picks, windows.sink, windows.local, windows.dense, windows.middle, windows.short,
+                                  counts[0])
+    want = critical_indices_torch(picks, windows.sink, windows.local, windows.dense, windows.middle, windows.short,
+                                  counts[1])
     assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+    valid_entries = start + int((want >= 0).sum())  # the work counter: every valid index, added once
+    assert int(counts[0]) == valid_entries and int(counts[1]) == valid_entries
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,sel_per_query", [(4, 4, False), (8, 2, False), (8, 2, True), (4, 1, False)])

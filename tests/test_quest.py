@@ -89,8 +89,9 @@ def test_static_writes_match_brute_force(page_size, spare):
     cache.append(keys[:, :, :23], valid[:, :23])
     cache.freeze(reserve)
     assert cache.pages == pages_for(reserve, page_size) and cache.length == reserve
+    whole = torch.cat((keys, torch.randn_like(keys[:, :, :spare])), dim=2)  # the layer's reserved key buffer
     for column in range(23, 23 + decoded):
-        cache.write(torch.tensor([column]), keys[:, :, column:column + 1])
+        cache.write(torch.tensor([column]), whole)
     low, high, has = page_bounds_reference(keys, valid, page_size)
     reached = low.shape[2]
     has = has[:, None, :, None].expand_as(low)

@@ -1,0 +1,93 @@
+"""What a sparse layer's prefill leaves for decode, built after the prefill forward.
+
+A sparse layer needs two things from the prompt: its selection policy's metadata over every prompt
+key (labels or Quest pages, `hshare.policy`) and, when layers or heads share, the planner's
+evidence (HShare section 4.3: the keep-sets of the last ``plan_rows`` prompt queries). Both are
+built from the cache's keys *after* the prefill forward has returned (`complete`, called by
+`HShareCache.finish_prefill`), not inside the layer: during the forward every layer's MLP and
+attention activations are alive, so metadata allocated there (0.8 GiB of labels at 32 layers,
+16 rows of 4k tokens) adds to the generation's peak memory; afterwards only the weights and the
+KV are. The layer keeps only what the cache does not: the policy made from its prompt queries
+(heavy channels, no token buffers yet), the evidence rows' queries ``[B, Hq, W, d]`` and the keys'
+validity ``[B, n]`` (`PendingPrefill`). Sparse prefill needs the metadata inside the layer and
+completes it there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from hshare.planner import head_similarity, layer_overlaps
+from hshare.selection import prefill_middle_windows, select_heavy
+
+if TYPE_CHECKING:
+    from hshare.cache import HShareCache
+
+
+@dataclass
+class PendingPrefill:
+    """A sparse layer's prefill, waiting for its metadata (`complete`).
+
+    Attributes:
+        valid: ``[B, n]`` key validity of the last prompt query over the layer's cached columns.
+        evidence_query: ``[B, Hq, W, d]`` the last W prompt queries (the planner's evidence rows),
+            or None when no greedy plan will use them.
+    """
+
+    valid: torch.Tensor
+    evidence_query: torch.Tensor | None
+
+
+def defer(cache: HShareCache, layer_idx: int, query: torch.Tensor, valid: torch.Tensor) -> None:
+    """Record what `complete` needs of this prefill forward (copies: the forward's tensors are freed).
+
+    Args:
+        query: ``[B, Hq, T, d]`` the prefill queries; valid: ``[B, n]`` key validity of the last one.
+    """
+    evidence = None
+    if cache.collects_evidence:
+        rows = min(cache.config.plan_rows, query.shape[2])
+        evidence = query[:, :, query.shape[2] - rows:].clone()
+    cache.layers[layer_idx].pending = PendingPrefill(valid.clone(), evidence)
+
+
+def complete(cache: HShareCache, layer_idx: int) -> None:
+    """Append the layer's metadata for its keys not yet covered and record the planner's evidence."""
+    layer = cache.layers[layer_idx]
+    pending, layer.pending = layer.pending, None
+    if pending is None:
+        return
+    keys = layer._keys.view()[:, :, :pending.valid.shape[1]]  # the prefill's columns (a decode step may have added one)
+    start = layer.policy.length
+    layer.policy.append(keys[:, :, start:], pending.valid[:, start:])
+    if pending.evidence_query is not None:
+        record_evidence(cache, layer_idx, pending.evidence_query, pending.valid)
+
+
+def record_evidence(cache: HShareCache, layer_idx: int, query: torch.Tensor, valid: torch.Tensor) -> None:
+    """This layer's keep-sets for a greedy plan: the heavy columns decode selection would choose
+    for the last W prompt query rows (same policy scores, same windows).
+
+    Args:
+        query: ``[B, Hq, W, d]`` the last W prompt queries.
+        valid: ``[B, n]`` key validity of the last prompt query.
+    """
+    config = cache.config
+    layer = cache.layers[layer_idx]
+    rows, kv_len = query.shape[2], valid.shape[1]
+    # keys each evidence row sees: the row's valid keys, causally (a left-pad row sees none)
+    row_column = torch.arange(kv_len - rows, kv_len, device=query.device)[:, None]
+    causal = torch.arange(kv_len, device=query.device)[None, :] <= row_column
+    row_valid = valid[:, None, :] & causal[None] & valid[:, kv_len - rows:, None]  # [B, W, n]
+    middle = prefill_middle_windows(row_valid, config.sink, config.local)
+    scores = layer.policy.prefill_scores(query)  # [B, H_sel, W, n]
+    keep = select_heavy(scores, middle[:, None], config.heavy)
+    if config.head_sharing < 1:
+        cache.state.head_similarity[layer_idx] = head_similarity(keep, kv_len)
+    if config.layer_sharing < 1:
+        overlaps = layer_overlaps(keep, cache.earlier_keep_sets(layer_idx), kv_len)
+        cache.state.layer_similarity[layer_idx] = cache.heads.mean_over_ranks(overlaps)  # one layer plan for all ranks
+        layer.keep = keep

@@ -1,0 +1,82 @@
+"""The sparse layers' prefill metadata (labels, Quest pages, the planner's evidence) is built once the
+prefill forward is done, never beside its activations (`hshare.prefill_metadata`)."""
+
+import pytest
+import torch
+
+import hshare
+from hshare.kernels import quantize_labels
+
+from conftest import greedy, left_padded, tiny_llama
+
+SMALL = dict(sink=2, local=4, heavy=6, dense_fallback_mib=0)
+
+
+def metadata_during_prefill(model, cache):
+    """Hook the last decoder layer's MLP: what the sparse layers held while a prefill ran there."""
+    seen = []
+
+    def record(module, args, output):
+        if args[0].shape[1] > 1:  # a prefill forward (several query rows)
+            seen.append([(layer.policy is not None, layer.policy.length if layer.policy is not None else None,
+                          layer.pending is not None) for layer in (cache.layers[i] for i in cache.sparse_layers)])
+
+    return seen, model.model.layers[-1].mlp.register_forward_hook(record)
+
+
+@pytest.mark.parametrize("preset", ["ds", "hshare-1_2-1_2-1_2", "quest"])
+def test_metadata_is_built_after_the_prefill_forward(preset):
+    model = tiny_llama(layers=4)
+    lengths = [int(n) for n in torch.randint(20, 40, (3,))]
+    ids, mask = left_padded(lengths)
+    with hshare.patched(model, preset, **SMALL):
+        cache = hshare.new_cache(model)
+        seen, hook = metadata_during_prefill(model, cache)
+        try:
+            greedy(model, ids, mask, new_tokens=1, past_key_values=cache)  # the prefill only
+        finally:
+            hook.remove()
+    assert seen and cache.sparse_layers
+    # inside the forward: every sparse layer has its policy (made from the prompt's queries) but no
+    # token metadata yet, and waits for it
+    assert all(made and length == 0 and waiting for made, length, waiting in seen[0])
+    # after the forward: every prompt column is covered, nothing is pending
+    columns = ids.shape[1]
+    for index in cache.sparse_layers:
+        layer = cache.layers[index]
+        assert layer.pending is None and layer.policy.length == columns
+    if cache.config.policy == "labels":  # the labels are those of the cached keys
+        for index in cache.sparse_layers:
+            layer, policy = cache.layers[index], cache.layers[index].policy
+            keys = layer.keys  # [B, Hkv, n, d]; selection per KV head here
+            channels = policy.channels.expand(keys.shape[0], -1, -1)
+            picked = keys.gather(-1, channels[:, :, None, :].expand(-1, -1, keys.shape[2], -1))
+            codes, scale, zero = quantize_labels(picked, policy.bits)
+            assert torch.equal(policy.codes.view(), codes)
+            assert torch.equal(policy.scale.view(), scale) and torch.equal(policy.zero.view(), zero)
+    if cache.config.shares_layers_or_heads:  # the planner's evidence of every sparse layer is there
+        assert sorted(cache.state.head_similarity) == cache.sparse_layers
+        assert sorted(cache.state.layer_similarity) == cache.sparse_layers
+
+
+def test_a_forward_without_the_model_hook_is_completed_before_decode():
+    """A prefill through the decoder alone (no model-level hook) leaves the metadata pending; the
+    next decode step builds it first, and decodes what a generate does."""
+    model = tiny_llama(layers=3)
+    ids, mask = left_padded([31, 26])
+    with hshare.patched(model, "hshare-1_2-1_2-1_2", **SMALL):
+        want = greedy(model, ids, mask, new_tokens=4)
+        cache = hshare.new_cache(model)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = model.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                             use_cache=True).last_hidden_state
+        assert all(cache.layers[i].pending is not None for i in cache.sparse_layers)
+        first = model.lm_head(hidden[:, -1]).argmax(-1, keepdim=True)
+        tokens = [first]
+        for step in range(3):
+            mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
+            out = model(input_ids=tokens[-1], attention_mask=mask, position_ids=positions[:, -1:] + step + 1,
+                        past_key_values=cache, use_cache=True)
+            assert all(cache.layers[i].pending is None for i in cache.sparse_layers)
+            tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+    assert torch.equal(torch.cat(tokens, dim=1), want[:, ids.shape[1]:])
