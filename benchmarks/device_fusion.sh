@@ -16,11 +16,12 @@ done
 for what in "$@"; do
   case $what in
     tests)
-      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_static_decode.py 2>&1 | tail -25 \
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_static_decode.py tests/test_prefill_metadata.py \
+        tests/test_kernels_triton.py -k "static or labels or critical or prefill_metadata" 2>&1 | tail -25 \
         | tee "$OUT/pytest_gpu_static.log" ;;
     llama2)
       timeout 300 hshare bench generate --out "$OUT" --shape llama2-7b --batch 16 --prompt 4096 --new-tokens 256 \
-        --paths static,dense,hshare-1_2-1_2-1_2@512,ds@512,/tmp/unfused/dense.yaml,/tmp/unfused/hshare-1_2-1_2-1_2@512.yaml \
+        --paths ${LLAMA2_PATHS:-static,dense,hshare-1_2-1_2-1_2@512,ds@512,/tmp/unfused/dense.yaml,/tmp/unfused/hshare-1_2-1_2-1_2@512.yaml} \
         2>&1 | tee -a "$OUT/bench_generate.log" ;;
     b8)
       timeout 200 hshare bench generate --out "$OUT" --shape llama2-7b --batch 8 --prompt 1024 --new-tokens 256 \

@@ -241,3 +241,22 @@ def test_uneven_head_split_is_refused():
     with hshare.patched(model, "ds", label_channels=4, **SMALL):
         with pytest.raises(ValueError, match="not an even split by head"):
             model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+
+def test_mean_over_ranks_takes_a_transposed_view(monkeypatch):
+    """The layer evidence reaches the all-reduce as a transposed view (`planner.layer_overlaps`);
+    NCCL takes contiguous tensors only (found on two GPUs: every sharing preset failed). A stand-in
+    collective with NCCL's check, two ranks holding the same evidence: the mean is the evidence."""
+    import hshare.heads
+
+    def all_reduce(tensor, group=None):
+        if not tensor.is_contiguous():
+            raise ValueError("Tensors must be contiguous")
+        tensor.mul_(2)  # the other rank's identical share
+
+    monkeypatch.setattr(hshare.heads.dist, "all_reduce", all_reduce)
+    shard = HeadShard(q_heads=4, kv_heads=2, ranks=2, rank=0, group=object())
+    evidence = torch.rand(3, 5).t()  # [5, 3], not contiguous
+    assert not evidence.is_contiguous()
+    torch.testing.assert_close(shard.mean_over_ranks(evidence), evidence)
