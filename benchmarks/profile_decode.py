@@ -30,7 +30,7 @@ from hshare.bench.generate import build_model
 
 
 # hshare's prefill work, as (module, attribute) pairs: each call is profiled as a range of that name
-PREFILL_RANGES = (("hshare.attention", "_prefill_policy"), ("hshare.prefill_metadata", "complete"),
+PREFILL_RANGES = (("hshare.prefill_metadata", "defer"), ("hshare.prefill_metadata", "complete"),
                   ("hshare.prefill_metadata", "record_evidence"), ("hshare.policy", "dynamic_channels"),
                   ("hshare.labels", "LabelCache.append"), ("hshare.prefill_metadata", "layer_overlaps"),
                   ("hshare.prefill_metadata", "head_similarity"), ("hshare.prefill_metadata", "select_heavy"),

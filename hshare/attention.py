@@ -30,7 +30,6 @@ from hshare import prefill_metadata
 from hshare.cache import HShareCache, HShareLayer
 from hshare.heads import head_shard
 from hshare.kernels import attention_with_lse, dense_decode_attention, gather_attention, merge_attention_states
-from hshare.policy import new_policy
 from hshare.selection import NO_TOKEN, select_heavy, valid_columns_from_mask
 from hshare.sparse_prefill import sparse_prefill_attention
 
@@ -71,8 +70,7 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         sparse = cache.is_sparse_layer(layer_idx) and not cache.filling_prefix
         if sparse:  # the policy from the prompt's queries; its metadata once the forward is done
             valid = valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0]
-            _prefill_policy(cache, layer_idx, query, key, valid)
-            prefill_metadata.defer(cache, layer_idx, query, valid)
+            prefill_metadata.defer(cache, layer_idx, query, key, valid)
         if prefix is not None:
             if config.sparse_prefill:
                 raise ValueError("HShareConfig.sparse_prefill does not combine with a shared prefix; accepted: "
@@ -177,22 +175,6 @@ def _own_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     out, lse = attention_with_lse(query.reshape(batch, kv_heads, per_kv * steps, dim), key, value, scaling, mask)
     out, _ = merge_attention_states(out.reshape(batch, q_heads, steps, dim), lse.reshape(batch, q_heads, steps), *prefix)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _prefill_policy(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-                    valid: torch.Tensor) -> None:
-    """Make the layer's selection policy at its first prefill (heavy channels from the prompt's
-    queries and keys; its token metadata is appended by `hshare.prefill_metadata.complete`).
-
-    Args:
-        query: ``[B, Hq, T, d]`` prefill queries; key: ``[B, Hkv, n, d]`` all cached keys.
-        valid: ``[B, n]`` key validity of the last query row.
-    """
-    layer: HShareLayer = cache.layers[layer_idx]
-    if layer.policy is None:
-        q_len, kv_len = query.shape[2], key.shape[2]
-        layer.policy = new_policy(cache.config, cache.calibration, layer_idx, query, key[:, :, kv_len - q_len:],
-                                  valid[:, kv_len - q_len:], cache.kv_heads, cache.reserve)
 
 
 def _select_heavy_columns(cache: HShareCache, layer_idx: int, query: torch.Tensor) -> torch.Tensor:

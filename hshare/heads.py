@@ -59,7 +59,7 @@ class HeadShard:
         Every rank holds as many heads, so the mean of per-rank head means is the mean over all heads."""
         if self.group is None or x.numel() == 0:
             return x
-        total = x.contiguous().clone()  # collectives take contiguous tensors only (evidence may be a transposed view)
+        total = x.clone(memory_format=torch.contiguous_format)  # collectives take contiguous tensors only (evidence may be a transposed view)
         dist.all_reduce(total, group=self.group)
         return total / self.ranks
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hshare.planner import head_similarity, layer_overlaps
+from hshare.policy import new_policy
 from hshare.selection import prefill_middle_windows, select_heavy
 
 if TYPE_CHECKING:
@@ -41,17 +42,25 @@ class PendingPrefill:
     evidence_query: torch.Tensor | None
 
 
-def defer(cache: HShareCache, layer_idx: int, query: torch.Tensor, valid: torch.Tensor) -> None:
-    """Record what `complete` needs of this prefill forward (copies: the forward's tensors are freed).
+def defer(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor) -> None:
+    """Inside a prefill forward: make the layer's selection policy at its first prefill (heavy channels
+    from the prompt's queries and keys) and record what `complete` needs (copies: the forward's
+    tensors are freed).
 
     Args:
-        query: ``[B, Hq, T, d]`` the prefill queries; valid: ``[B, n]`` key validity of the last one.
+        query: ``[B, Hq, T, d]`` the prefill queries; key: ``[B, Hkv, n, d]`` all cached keys;
+            valid: ``[B, n]`` key validity of the last query.
     """
+    layer = cache.layers[layer_idx]
+    if layer.policy is None:
+        q_len, kv_len = query.shape[2], key.shape[2]
+        layer.policy = new_policy(cache.config, cache.calibration, layer_idx, query, key[:, :, kv_len - q_len:],
+                                  valid[:, kv_len - q_len:], cache.kv_heads, cache.reserve)
     evidence = None
     if cache.collects_evidence:
         rows = min(cache.config.plan_rows, query.shape[2])
         evidence = query[:, :, query.shape[2] - rows:].clone()
-    cache.layers[layer_idx].pending = PendingPrefill(valid.clone(), evidence)
+    layer.pending = PendingPrefill(valid.clone(), evidence)
 
 
 def complete(cache: HShareCache, layer_idx: int) -> None:
@@ -60,7 +69,7 @@ def complete(cache: HShareCache, layer_idx: int) -> None:
     pending, layer.pending = layer.pending, None
     if pending is None:
         return
-    keys = layer._keys.view()[:, :, :pending.valid.shape[1]]  # the prefill's columns (a decode step may have added one)
+    keys = layer.keys[:, :, :pending.valid.shape[1]]  # the prefill's columns (a decode step may have added one)
     start = layer.policy.length
     layer.policy.append(keys[:, :, start:], pending.valid[:, start:])
     if pending.evidence_query is not None:
