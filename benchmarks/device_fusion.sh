@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12, session 8 on the device machine: the GPU tests of static decode, then `hshare bench generate`
+# Issue 12 on the device machine (sessions 8-10): the GPU tests of static decode, then `hshare bench generate`
 # at the Llama-2-7B shape with the layers' elementwise work fused (the default) and unfused
 # (`compile_elementwise: false`, YAML copies of the presets), in one process.
 #   bash benchmarks/device_fusion.sh [tests] [llama2] [llama3] [b8] [prefill] [profile] [gather]
@@ -17,7 +17,7 @@ for what in "$@"; do
   case $what in
     tests)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_static_decode.py tests/test_prefill_metadata.py \
-        tests/test_kernels_triton.py -k "static or labels or critical or prefill_metadata" 2>&1 | tail -25 \
+        tests/test_kernels_triton.py -k "static or labels or critical or prefill_metadata or heavy_topk or select_heavy" 2>&1 | tail -25 \
         | tee "$OUT/pytest_gpu_static.log" ;;
     llama2)
       timeout 300 hshare bench generate --out "$OUT" --shape llama2-7b --batch 16 --prompt 4096 --new-tokens 256 \

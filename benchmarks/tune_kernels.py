@@ -12,9 +12,11 @@
    stages.
 5. The split merge (`merge_parts`) alone at the split counts of those shapes: rows per program,
    warps.
+6. The heavy-token top-k of a selection step (`select_heavy_triton`) against ``torch.topk`` (the
+   twin: masked fill, top-k, finite check) at the decode shapes of `hshare bench generate`: warps.
 
 Writes ``$OUT/tune_kernels.json`` and prints short tables. Arguments pick sections
-(``prefix gather step fused merge``; default all, which takes longer than one 10-minute device call:
+(``prefix gather step fused merge topk``; default all, which takes longer than one 10-minute device call:
 run ``prefix gather`` and ``step fused merge`` as two calls; ``step fused merge`` took 7.5 minutes).
 """
 
@@ -28,7 +30,9 @@ import sys
 import torch
 
 from hshare.bench import dense_graph_us, dense_sdpa_us, graph_time_us
+from hshare.kernels import select_heavy_torch
 from hshare.kernels.gather_attention_triton import gather_attention_triton, merge_parts
+from hshare.kernels.heavy_topk_triton import select_heavy_triton
 from hshare.kernels.prefix_attention_triton import plan_prefix, shared_prefix_decode_states_triton
 from hshare.kernels.shared_decode_triton import shared_decode_attention_triton
 
@@ -58,8 +62,9 @@ def main() -> None:
     out_dir = os.environ.get("OUT", ".")
     torch.manual_seed(0)
     scale = DIM ** -0.5
-    report = {"device": torch.cuda.get_device_name(), "prefix": [], "gather": [], "step": [], "fused": [], "merge": []}
-    sections = sys.argv[1:] or ["prefix", "gather", "step", "fused", "merge"]
+    report = {"device": torch.cuda.get_device_name(), "prefix": [], "gather": [], "step": [], "fused": [], "merge": [],
+              "topk": []}
+    sections = sys.argv[1:] or ["prefix", "gather", "step", "fused", "merge", "topk"]
 
     print("prefix kernel (graph us): B P | auto | best tiles (bm, bn, warps, stages) | best splits")
     for batch, prefix in SHAPES if "prefix" in sections else ():
@@ -177,6 +182,21 @@ def main() -> None:
               f"{moved / configs[chosen] / 1e3:6.0f}")
         report["merge"].append({"batch": batch, "splits": splits, "default_us": default,
                                 "configs": {str(k): v for k, v in configs.items()}, "best": str(chosen)})
+
+    print("heavy top-k (graph us): rows heads n k | torch.topk | default | by warps")
+    # B16 MHA at 1/2 head sharing and without (ds), a longer context, GQA B64
+    for rows, heads, n, k in ((16, 16, 4352, 432), (16, 32, 4352, 432), (64, 8, 4352, 432), (16, 16, 16640, 432)) \
+            if "topk" in sections else ():
+        scores = torch.randn(rows, heads, n, device="cuda")
+        selectable = torch.rand(rows, 1, n, device="cuda") < 0.95
+        twin = graph_us(lambda: select_heavy_torch(scores, selectable, k))
+        default = graph_us(lambda: select_heavy_triton(scores, selectable[:, 0], k))
+        configs = {warps: graph_us(lambda: select_heavy_triton(scores, selectable[:, 0], k, num_warps=warps))
+                   for warps in (4, 8, 16)}
+        timed = " ".join(f"{w}:{t:.1f}" for w, t in configs.items() if t is not None)
+        print(f"{rows:4d} {heads:3d} {n:6d} {k:4d} | {twin:7.1f} | {default:7.1f} | {timed}", flush=True)
+        report["topk"].append({"rows": rows, "heads": heads, "n": n, "k": k, "torch_us": twin, "default_us": default,
+                               "configs": {str(c): t for c, t in configs.items()}})
 
     with open(os.path.join(out_dir, "tune_kernels.json"), "w") as handle:
         json.dump(report, handle, indent=1)

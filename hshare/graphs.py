@@ -10,7 +10,9 @@ The first step of a kind runs eagerly on a side stream (it is a real step, and i
 capture cannot do: Triton compilation, library handles) and is then captured: capture records the
 kernels without running them, so the caller must undo host-side effects of the capture pass
 (`StepGraphs.capture` returns nothing and changes no device memory). All graphs share one memory
-pool: only one step runs at a time and no graph's temporaries outlive its replay.
+pool: only one step runs at a time and no graph's temporaries outlive its replay. Warm-up and capture
+run on one side stream per device for the whole process (`side_stream`): cuBLAS keeps a workspace
+per stream it has run on, so a new stream per ``generate`` would leave a workspace behind each time.
 """
 
 from __future__ import annotations
@@ -19,6 +21,19 @@ import time
 from typing import Callable, Hashable
 
 import torch
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream of `device` that every warm-up step and capture runs on (made at first use)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 class StepGraphs:
@@ -46,7 +61,7 @@ class StepGraphs:
     def eager(self, step: Callable[[], object]) -> object:
         """Run `step` for real on a side stream (the first step of a kind: warm-up included)."""
         current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        side = side_stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
             out = step()
@@ -57,7 +72,7 @@ class StepGraphs:
         """Record `step` as the graph of `kind` (its kernels do not run)."""
         start = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=side_stream(self.device)):
             self.outputs[kind] = step()
         self.graphs[kind] = graph
         self.replays[kind] = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from hshare.buffer import GrowingBuffer
-from hshare.kernels import append_labels, label_scores, label_storage_dtype, score_heads
+from hshare.kernels import append_labels, decode_label_scores, label_scores, label_storage_dtype, query_labels
 
 
 class LabelCache:
@@ -82,20 +82,9 @@ class LabelCache:
         return self.channels.shape[-1] * self.bits // 8, torch.uint8, store
 
     def query_labels(self, query: torch.Tensor) -> torch.Tensor:
-        """Heavy channels of queries per selection head.
-
-        Args:
-            query: ``[B, Hq, Q, d]``.
-
-        Returns:
-            ``[B, H_sel, Q, r]`` (fp32, fp64 for fp64 queries); per-KV-head selection sums the
-            query labels of the g query heads of a group (their mean approximate logit, up to 1/g).
-        """
-        batch, q_heads, rows, dim = query.shape
-        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-        grouped = query.reshape(batch, self.sel_heads, q_heads // self.sel_heads, rows, dim).to(acc)
-        channels = self.channels[:, :, None, None, :].expand(batch, -1, grouped.shape[2], rows, -1)
-        return grouped.gather(-1, channels).sum(2)
+        """Heavy channels of queries ``[B, Hq, Q, d]`` per selection head: ``[B, H_sel, Q, r]``
+        (`kernels.query_labels`)."""
+        return query_labels(query, self.channels)
 
     def prefill_scores(self, query: torch.Tensor) -> torch.Tensor:
         """Approximate logits of every cached token for Q query rows.
@@ -121,14 +110,8 @@ class LabelCache:
         Returns:
             ``[B', H', n]`` fp32 (fp64 for fp64 queries).
         """
-        query_labels = self.query_labels(query[:, :, None])[:, :, 0]  # [B, H_sel, r]
-        if rows is not None:
-            query_labels = query_labels.index_select(0, rows)
-        if heads is not None:
-            picks = heads.expand(query_labels.shape[0], -1)[..., None].expand(-1, -1, query_labels.shape[-1])
-            query_labels = query_labels.gather(1, picks)
-        return score_heads(query_labels, self.codes.view(), self.scale.view(), self.zero.view(), self.bits, rows,
-                           heads)
+        return decode_label_scores(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
+                                   self.bits, rows, heads)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         for buffer in self.buffers:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hshare.kernels import NO_TOKEN, critical_indices
+from hshare.kernels import NO_TOKEN, critical_indices, select_heavy  # noqa: F401 (select_heavy: re-exported)
 
 
 def valid_columns_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int, query_rows: int,
@@ -35,17 +35,19 @@ def valid_columns_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_
     return mask.expand(batch, query_rows, kv_len)
 
 
-def nth_valid_columns(valid: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+def nth_valid_columns(valid: torch.Tensor, ranks: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Column of the r-th valid token of each row (``NO_TOKEN`` where the row has fewer).
 
     Args:
         valid: ``[..., n]`` bool.
         ranks: ``[..., k]`` integer ranks (0 = first valid column); may be negative.
+        counts: ``valid.long().cumsum(-1)`` when the caller has it.
 
     Returns:
         ``[..., k]`` int64 columns.
     """
-    counts = valid.long().cumsum(-1)
+    if counts is None:
+        counts = valid.long().cumsum(-1)
     n_valid = counts[..., -1:]
     columns = torch.searchsorted(counts, (ranks + 1).clamp(min=1).contiguous())
     ok = (ranks >= 0) & (ranks < n_valid)
@@ -87,9 +89,10 @@ class RowWindows:
         """Windows of every row; `lookahead` (a - 1 at a selection step of a query group of a steps,
         with `HShareConfig.group_lookahead`) widens `selectable` into the local window. `sync` =
         False never reads the device (`all_short` False)."""
-        n_valid = valid.sum(-1)
         device = valid.device
-        rank = valid.long().cumsum(-1) - 1
+        counts = valid.long().cumsum(-1)  # one prefix sum serves the ranks and every window's columns
+        n_valid = counts[:, -1]
+        rank = counts - 1
         middle = valid & (rank >= sink) & (rank < (n_valid[:, None] - local))
         selectable = middle
         if lookahead > 0:
@@ -99,14 +102,15 @@ class RowWindows:
         # a row shorter than sink + local: its local window must not repeat sink columns
         local_ranks = torch.where(local_ranks >= sink, local_ranks, torch.full_like(local_ranks, -1))
         dense_ranks = torch.arange(budget, device=device).expand(valid.shape[0], budget)
+        columns = nth_valid_columns(valid, torch.cat((sink_ranks, local_ranks, dense_ranks), -1), counts)
         short = n_valid <= budget
         return cls(
             valid=valid,
             n_valid=n_valid,
             short=short,
-            sink=nth_valid_columns(valid, sink_ranks),
-            local=nth_valid_columns(valid, local_ranks),
-            dense=nth_valid_columns(valid, dense_ranks),
+            sink=columns[:, :sink],
+            local=columns[:, sink:sink + local],
+            dense=columns[:, sink + local:],
             middle=middle,
             selectable=selectable,
             all_short=bool(short.all()) if sync else False,
@@ -125,28 +129,6 @@ class RowWindows:
             ``[B, H, N_c]`` integer columns; short rows get all their valid columns.
         """
         return critical_indices(heavy, self.sink, self.local, self.dense, self.middle, self.short, count)
-
-
-def select_heavy(scores: torch.Tensor, middle: torch.Tensor, heavy: int) -> torch.Tensor:
-    """Top-`heavy` columns of the middle window by approximate score.
-
-    Args:
-        scores: ``[B, H, ..., n]`` approximate logits.
-        middle: bool, broadcastable to `scores` (``[B, 1, ..., n]``): the selectable columns.
-        heavy: tokens to keep.
-
-    Returns:
-        ``[B, H, ..., heavy]`` int64 columns, ``NO_TOKEN`` where the window holds fewer tokens.
-    """
-    n = scores.shape[-1]
-    masked = scores.masked_fill(~middle, float("-inf"))
-    take = min(heavy, n)
-    values, columns = masked.topk(take, dim=-1, sorted=False)  # order is irrelevant; sorting costs
-    columns = torch.where(torch.isfinite(values), columns, torch.full_like(columns, NO_TOKEN))
-    if take < heavy:
-        pad = torch.full((*columns.shape[:-1], heavy - take), NO_TOKEN, dtype=columns.dtype, device=columns.device)
-        columns = torch.cat((columns, pad), dim=-1)
-    return columns
 
 
 def prefill_middle_windows(valid_rows: torch.Tensor, sink: int, local: int) -> torch.Tensor:

@@ -8,8 +8,10 @@ from __future__ import annotations
 from .channel_statistic import channel_statistic, channel_statistic_torch
 from .critical_indices import NO_TOKEN, critical_indices, critical_indices_torch
 from .dense_decode import dense_decode_attention
+from .heavy_topk import select_heavy, select_heavy_torch
 from .gather_attention import gather_attention, gather_attention_torch
-from .labels import append_labels, dequantize_labels, label_scores, label_storage_dtype, quantize_labels, score_heads
+from .labels import append_labels, decode_label_scores, dequantize_labels, label_scores, label_storage_dtype, \
+    quantize_labels, query_labels, score_heads
 from .merge import merge_attention_splits, merge_attention_states
 from .prefix_attention import attention_with_lse, attention_with_lse_torch, shared_prefix_attention, \
     shared_prefix_decode_states
@@ -26,6 +28,7 @@ __all__ = [
     "append_labels",
     "attention_with_lse",
     "attention_with_lse_torch",
+    "decode_label_scores",
     "dequantize_labels",
     "gather_attention",
     "gather_attention_torch",
@@ -34,7 +37,10 @@ __all__ = [
     "merge_attention_splits",
     "merge_attention_states",
     "quantize_labels",
+    "query_labels",
     "score_heads",
+    "select_heavy",
+    "select_heavy_torch",
     "shared_prefix_attention",
     "shared_decode_attention",
     "shared_decode_attention_torch",

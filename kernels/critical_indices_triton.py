@@ -61,9 +61,10 @@ def critical_indices_triton(heavy: torch.Tensor, sink: torch.Tensor, local: torc
     n_sink, n_local = sink.shape[1], local.shape[1]
     budget = n_sink + n_heavy + n_local
     out = torch.empty(batch, heads, budget, dtype=torch.int32, device=heavy.device)
-    heavy, sink, local, dense = (t.contiguous() for t in (heavy, sink, local, dense))
-    middle = middle.contiguous().view(torch.uint8) if middle.dtype == torch.bool else middle.contiguous()
-    short = short.contiguous().view(torch.uint8) if short.dtype == torch.bool else short.contiguous()
+    # rows may be strided (the windows' slices of one buffer); each row's entries must be adjacent
+    heavy, sink, local, dense, middle, short = (t if t.stride(-1) == 1 else t.contiguous()
+                                                for t in (heavy, sink, local, dense, middle, short))
+    middle, short = (t.view(torch.uint8) if t.dtype == torch.bool else t for t in (middle, short))
     _critical_indices[(batch * heads,)](
         heavy, sink, local, dense, middle, short, out, out if count is None else count, middle.shape[1],
         heavy.stride(0), heavy.stride(1), sink.stride(0), local.stride(0), dense.stride(0), middle.stride(0),

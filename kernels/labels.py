@@ -158,3 +158,53 @@ def score_heads(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Te
         picks = (torch.arange(tensors[0].shape[0], device=heads.device)[:, None], heads.expand(tensors[0].shape[0], -1))
         tensors = [None if t is None else t[picks] for t in tensors]
     return label_scores(query_labels[:, :, None], tensors[0], tensors[1], tensors[2], bits)[:, :, 0]
+
+
+def query_labels(query: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+    """Heavy channels of queries per selection head.
+
+    Args:
+        query: ``[B, Hq, Q, d]``.
+        channels: ``[P, H_sel, r]`` heavy channels per selection head (P = 1 or B).
+
+    Returns:
+        ``[B, H_sel, Q, r]`` (fp32, fp64 for fp64 queries); per-KV-head selection (H_sel < Hq) sums the
+        query labels of the g query heads of a group (their mean approximate logit, up to 1/g).
+    """
+    batch, q_heads, rows, dim = query.shape
+    sel_heads = channels.shape[1]
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    grouped = query.reshape(batch, sel_heads, q_heads // sel_heads, rows, dim).to(acc)
+    picks = channels[:, :, None, None, :].expand(batch, -1, grouped.shape[2], rows, -1)
+    return grouped.gather(-1, picks).sum(2)
+
+
+def decode_label_scores(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
+                        zero: torch.Tensor | None, bits: int, rows: torch.Tensor | None = None,
+                        heads: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode-step label scores of the decode query for chosen rows and selection heads.
+
+    Args:
+        query: ``[B, Hq, d]`` the decode query of every row.
+        channels: ``[P, H_sel, r]`` heavy channels.
+        codes, scale, zero, bits: the whole label cache (`score_heads`).
+        rows: ``[B']`` batch rows (None = all); heads: ``[B' or 1, H']`` selection heads (None = all).
+
+    Returns:
+        ``[B', H', n]`` fp32 scores (fp64 for fp64 queries). CUDA tensors: one Triton launch that
+        gathers the query labels itself; the twin makes `query_labels` and calls `score_heads`.
+    """
+    if use_triton(query) and query.dtype != torch.float64:
+        from .labels_triton import score_heads_triton
+
+        device = query.device
+        rows = torch.arange(query.shape[0], device=device) if rows is None else rows
+        heads = torch.arange(channels.shape[1], device=device)[None] if heads is None else heads
+        return score_heads_triton(None, codes, scale, zero, bits, rows, heads, query=query, channels=channels)
+    labels = query_labels(query[:, :, None], channels)[:, :, 0]  # [B, H_sel, r]
+    if rows is not None:
+        labels = labels.index_select(0, rows)
+    if heads is not None:
+        picks = heads.expand(labels.shape[0], -1)[..., None].expand(-1, -1, labels.shape[-1])
+        labels = labels.gather(1, picks)
+    return score_heads(labels, codes, scale, zero, bits, rows, heads)

@@ -16,10 +16,30 @@ BLOCK_T = 128  # tokens per program
 
 
 @triton.jit
+def _labels_at(labels_ptr, query_ptr, channels_ptr, pid, row, head, slots, s_qb, s_qh, s_chp, s_chh,
+               R: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr):
+    """Query labels (fp32) of program `pid` at label slots `slots`: read from the ``[B', H', r]``
+    labels, or gathered from the query ``[B, Hq, d]`` (the heavy channels of the GROUP query heads
+    of selection head `head`, summed) so that no labels tensor is made first."""
+    if FROM_QUERY:
+        offset = head * s_chh
+        if PER_ROW_CHANNELS:
+            offset += row * s_chp
+        picked = tl.load(channels_ptr + offset + slots).to(tl.int64)
+        labels = tl.zeros(slots.shape, tl.float32)
+        for g in tl.static_range(GROUP):
+            labels += tl.load(query_ptr + row * s_qb + (head * GROUP + g) * s_qh + picked).to(tl.float32)
+    else:
+        labels = tl.load(labels_ptr + pid * R + slots)
+    return labels
+
+
+@triton.jit
 def _score_heads(
-    q_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, out_ptr, n,
-    s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb,
+    q_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, out_ptr, n,
+    s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb,
     HEADS: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+    GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tile = tl.program_id(1)
@@ -32,46 +52,66 @@ def _score_heads(
     base = codes_ptr + row * s_cb + head * s_ch + tokens[:, None] * s_cn
     if BITS == 4:
         half = tl.arange(0, R // 2)
-        q_even = tl.load(q_ptr + pid * R + 2 * half)
-        q_odd = tl.load(q_ptr + pid * R + 2 * half + 1)
+        q_even = _labels_at(q_ptr, query_ptr, channels_ptr, pid, row, head, 2 * half, s_qb, s_qh, s_chp, s_chh,
+                            R, GROUP, PER_ROW_CHANNELS, FROM_QUERY)
+        q_odd = _labels_at(q_ptr, query_ptr, channels_ptr, pid, row, head, 2 * half + 1, s_qb, s_qh, s_chp, s_chh,
+                           R, GROUP, PER_ROW_CHANNELS, FROM_QUERY)
         packed = tl.load(base + half[None, :], mask=ok[:, None], other=0).to(tl.int32)
         dot = tl.sum((packed & 15).to(tl.float32) * q_even[None, :] + (packed >> 4).to(tl.float32) * q_odd[None, :], 1)
+        q_sum = tl.sum(q_even, 0) + tl.sum(q_odd, 0)
     else:
         channels = tl.arange(0, R)
-        q = tl.load(q_ptr + pid * R + channels)
+        q = _labels_at(q_ptr, query_ptr, channels_ptr, pid, row, head, channels, s_qb, s_qh, s_chp, s_chh,
+                       R, GROUP, PER_ROW_CHANNELS, FROM_QUERY)
         codes = tl.load(base + channels[None, :], mask=ok[:, None], other=0).to(tl.float32)
         dot = tl.sum(codes * q[None, :], 1)
+        q_sum = tl.sum(q, 0)
     if BITS == 16:
         score = dot
     else:
-        channels_all = tl.arange(0, R)
-        q_sum = tl.sum(tl.load(q_ptr + pid * R + channels_all), 0)
         scale = tl.load(scale_ptr + row * s_sb + head * s_sh + tokens, mask=ok, other=0.0).to(tl.float32)
         zero = tl.load(zero_ptr + row * s_zb + head * s_zh + tokens, mask=ok, other=0.0).to(tl.float32)
         score = scale * dot + zero * q_sum
     tl.store(out_ptr + pid * n + tokens, score, mask=ok)
 
 
-def score_heads_triton(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
-                       zero: torch.Tensor | None, bits: int, rows: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-    """Same contract as `labels.score_heads`; channel count r a power of two (>= 2)."""
-    count, n_heads, channels = query_labels.shape
+def score_heads_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, scale: torch.Tensor | None,
+                       zero: torch.Tensor | None, bits: int, rows: torch.Tensor, heads: torch.Tensor, *,
+                       query: torch.Tensor | None = None, channels: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `labels.score_heads`; channel count r a power of two (>= 2). Without
+    `query_labels`, the labels are gathered in the kernel from the decode `query` ``[B, Hq, d]`` and
+    the heavy `channels` ``[P, H_sel, r]`` (`labels.decode_label_scores`)."""
     n = codes.shape[2]
-    if channels & (channels - 1) or channels < 2:
-        raise ValueError(f"label_channels {channels} is not supported by the Triton kernel; accepted: powers of two")
+    count, n_heads = rows.shape[0], heads.shape[-1]
+    if query_labels is None:
+        channels_count = channels.shape[-1]
+        group = query.shape[1] // channels.shape[1]
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        channels = channels.contiguous()
+        q = query  # unused placeholder pointer
+    else:
+        channels_count, group = query_labels.shape[-1], 1
+        q = query_labels.float().contiguous()
+    if channels_count & (channels_count - 1) or channels_count < 2:
+        raise ValueError(f"label_channels {channels_count} is not supported by the Triton kernel; "
+                         "accepted: powers of two")
     if codes.stride(-1) != 1:
         raise ValueError("label codes must be contiguous in the channel dimension")
-    q = query_labels.float().contiguous()
     heads = heads.expand(count, n_heads).to(torch.int32).contiguous()
     rows = rows.to(torch.int32).contiguous()
-    out = torch.empty(count, n_heads, n, device=q.device, dtype=torch.float32)
+    out = torch.empty(count, n_heads, n, device=codes.device, dtype=torch.float32)
     scale_t = scale if scale is not None else codes
     zero_t = zero if zero is not None else codes
+    from_query = query_labels is None
+    query_t, channels_t = (query, channels) if from_query else (q, q)
     _score_heads[(count * n_heads, triton.cdiv(n, BLOCK_T))](
-        q, codes, scale_t, zero_t, rows, heads, out, n,
+        q, query_t, channels_t, codes, scale_t, zero_t, rows, heads, out, n,
+        query_t.stride(0), query_t.stride(1), channels_t.stride(0), channels_t.stride(1),
         codes.stride(0), codes.stride(1), codes.stride(2),
         scale_t.stride(0), scale_t.stride(1), zero_t.stride(0), zero_t.stride(1), heads.stride(0),
-        HEADS=n_heads, R=channels, BITS=bits, BLOCK=BLOCK_T,
+        HEADS=n_heads, R=channels_count, BITS=bits, BLOCK=BLOCK_T, GROUP=group,
+        PER_ROW_CHANNELS=from_query and channels.shape[0] > 1, FROM_QUERY=from_query,
     )
     return out
 

@@ -442,3 +442,92 @@ def test_channel_statistic_triton_matches_twin(dtype, q_heads, kv_heads, dim, sp
     assert got.dtype == torch.float32 and got.shape == (batch, q_heads, dim)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert torch.equal(got[2], torch.zeros_like(got[2])) and got[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("rows,heads,n,heavy", [(3, 2, 1, 4), (2, 3, 37, 8), (2, 2, 300, 40), (1, 4, 700, 512)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_heavy_topk_triton_keeps_the_best_of_the_window(rows, heads, n, heavy, ties):
+    """The Triton top-k against the tie-robust contract (`check_top_k`) and, without ties, the twin's
+    set: random windows (one row's empty, one full), scores of both signs and -0.0 / +0.0, or few
+    distinct values (ties at the k-th score, as Quest's page scores have)."""
+    from property_support import check_top_k
+    from hshare.kernels import select_heavy_torch
+    from hshare.kernels.heavy_topk_triton import select_heavy_triton
+
+    scores = torch.randn(rows, heads, n, device=DEVICE) * 10
+    if ties:
+        scores = scores.round() / 4
+    scores[0, 0, ::5] = -0.0
+    scores[-1, -1, 1::5] = 0.0
+    selectable = torch.rand(rows, n, device=DEVICE) < 0.6
+    selectable[0] = True
+    if rows > 2:
+        selectable[1] = False
+    got = select_heavy_triton(scores, selectable, heavy)
+    check_top_k(scores.cpu(), selectable[:, None].cpu(), heavy, got.cpu())
+    picked = got[got >= 0].reshape(-1)
+    for columns in got.reshape(-1, heavy).cpu():  # ascending columns, then -1
+        valid = columns[columns >= 0]
+        assert torch.equal(valid, valid.sort().values) and bool((columns[len(valid):] == -1).all())
+    if not ties:
+        want = select_heavy_torch(scores, selectable[:, None], heavy)
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    assert picked.numel() == 0 or int(picked.max()) < n
+
+
+def test_heavy_topk_triton_skips_non_finite_scores_and_broadcasts_the_window():
+    """-inf / +inf / NaN scores are never chosen (as the twin); one window ``[1, n]`` serves all rows."""
+    from hshare.kernels import select_heavy_torch
+    from hshare.kernels.heavy_topk_triton import select_heavy_triton
+
+    scores = torch.randn(3, 2, 40, device=DEVICE)
+    scores[:, 0, :30] = float("-inf")
+    scores[1, 1, :10] = float("nan")
+    scores[2, 1, :5] = float("inf")
+    selectable = torch.rand(1, 40, device=DEVICE) < 0.7
+    got = select_heavy_triton(scores, selectable.expand(3, -1), 12)
+    want = select_heavy_torch(scores, selectable[:, None], 12)
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+
+
+def test_select_heavy_dispatch(monkeypatch):
+    """`select_heavy` sends decode-step score rows ``[A, H, n]`` to the kernel (ascending columns) and
+    prefill's 4-D scores to the twin; both keep the same set."""
+    import hshare.kernels.heavy_topk_triton as module
+    from hshare.kernels import select_heavy, select_heavy_torch
+
+    calls = []
+    original = module.select_heavy_triton
+    monkeypatch.setattr(module, "select_heavy_triton", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setenv("HSHARE_KERNELS", "triton")
+    scores = torch.randn(2, 3, 64, device=DEVICE)
+    selectable = torch.rand(2, 1, 64, device=DEVICE) < 0.5
+    got = select_heavy(scores, selectable, 9)
+    assert calls == [1]
+    assert torch.equal(got.sort(-1).values, select_heavy_torch(scores, selectable, 9).sort(-1).values)
+    select_heavy(scores[:, :, None], selectable[:, :, None], 9)  # 4-D: the twin
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("q_heads,sel_heads,per_row", [(4, 4, False), (6, 2, True), (8, 1, False)])
+def test_decode_label_scores_gathers_query_labels_in_the_kernel(bits, q_heads, sel_heads, per_row):
+    """The kernel's in-launch query labels (the group's heavy channels summed) give the twin's scores:
+    GQA groups, per-row (dynamic) channels, chosen rows and heads."""
+    from hshare.kernels import decode_label_scores, quantize_labels
+    from hshare.kernels.labels_triton import score_heads_triton
+
+    batch, n, r, dim = 3, 70, 8, 32
+    codes, scale, zero = quantize_labels(torch.randn(batch, sel_heads, n, r, device=DEVICE), bits)
+    query = torch.randn(batch, q_heads, dim, device=DEVICE)
+    channels = torch.stack([torch.randperm(dim, device=DEVICE)[:r] for _ in range((batch if per_row else 1) * sel_heads)])
+    channels = channels.reshape(-1, sel_heads, r)
+    rows = torch.tensor([2, 0], device=DEVICE)
+    heads = torch.randint(0, sel_heads, (2, 2), device=DEVICE)
+    got = score_heads_triton(None, codes, scale, zero, bits, rows, heads, query=query, channels=channels)
+    os.environ["HSHARE_KERNELS"] = "torch"
+    try:
+        want = decode_label_scores(query, channels, codes, scale, zero, bits, rows, heads)
+    finally:
+        del os.environ["HSHARE_KERNELS"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -283,7 +283,7 @@ def test_quest_under_triton_dispatch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a label kernel was called for Quest")
 
-    monkeypatch.setattr(hshare.labels, "score_heads", refuse)
+    monkeypatch.setattr(hshare.labels, "decode_label_scores", refuse)
     monkeypatch.setattr(hshare.labels, "append_labels", refuse)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_llama().to(device)

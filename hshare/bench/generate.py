@@ -81,6 +81,7 @@ class GenerateRow:
     peak_gib_per_gpu: list = field(default_factory=list)  # each GPU's peak (rank order under TP); peak_gib: the max
     decode_steps: dict = field(default_factory=dict)  # sparse presets: decode / sparse / dense-fallback steps, KV read
     ranks_agree: bool | None = None  # under TP: whether every rank generated the same tokens
+    prefill_peak_gib: float = 0.0  # peak of a 1-token generate (the prefill's share of peak_gib; largest GPU)
 
 
 def model_config(shape: str, layers: int | None, max_positions: int):
@@ -154,7 +155,9 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
     gpus = multi_gpu.model_gpus(model)
     with context:
         first, _ = _timed(lambda: generate(new_tokens), gpus)
+        multi_gpu.reset_peaks(gpus)
         prefill, _ = _timed(lambda: generate(1), gpus)
+        prefill_peak = max(multi_gpu.peaks_gib(gpus) or [0.0])
         multi_gpu.reset_peaks(gpus)
         total, out = _timed(lambda: generate(new_tokens), gpus)
         peaks = multi_gpu.peaks_gib(gpus) or [0.0]
@@ -184,7 +187,7 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
     row = GenerateRow(shape=shape, path=path, batch=batch, prompt=width, new_tokens=new_tokens, shared_prompt=shared,
                       prefill_s=prefill, decode_tok_s=decode, warmup_s=max(0.0, first - total), peak_gib=max(peaks),
                       kv_gib=kv / 2**30, agreement=None, static_decode=static, peak_gib_per_gpu=peaks,
-                      decode_steps=steps)
+                      decode_steps=steps, prefill_peak_gib=prefill_peak)
     return row, new
 
 
@@ -217,6 +220,7 @@ def merge_ranks(results: list[tuple], reference, placement: str, failed: Generat
     if len(results) > 1:
         row.peak_gib_per_gpu = [peak for other, _, _ in results for peak in other.peak_gib_per_gpu]
         row.peak_gib = max(row.peak_gib_per_gpu)
+        row.prefill_peak_gib = max(other.prefill_peak_gib for other, _, _ in results)
         row.kv_gib = sum(other.kv_gib for other, _, _ in results)
         row.ranks_agree = all(torch.equal(tokens, new) for _, tokens, _ in results)
     return row, new
@@ -301,7 +305,8 @@ def print_row(row: GenerateRow, base: GenerateRow) -> None:
     steps = f"  sparse steps {row.decode_steps['sparse']}/{row.decode_steps['decode']}" if row.decode_steps else ""
     ranks = "" if row.ranks_agree is None else ("  ranks agree" if row.ranks_agree else "  RANKS DISAGREE")
     print(f"  {row.path:<26} prefill {row.prefill_s:7.2f}s  decode {row.decode_tok_s:8.1f} tok/s ({ratio:5.2f}x)"
-          f"  warm-up {row.warmup_s:6.2f}s  peak {row.peak_gib:6.1f} GiB{per_gpu}  KV {row.kv_gib:6.2f} GiB"
+          f"  warm-up {row.warmup_s:6.2f}s  peak {row.peak_gib:6.2f} GiB{per_gpu} (1 token {row.prefill_peak_gib:6.2f})"
+          f"  KV {row.kv_gib:6.2f} GiB"
           f"  agree {agreement:>5}{steps}{ranks}  {static}")
 
 
