@@ -83,16 +83,15 @@ def score_heads_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, s
     the heavy `channels` ``[P, H_sel, r]`` (`labels.decode_label_scores`)."""
     n = codes.shape[2]
     count, n_heads = rows.shape[0], heads.shape[-1]
-    if query_labels is None:
-        channels_count = channels.shape[-1]
-        group = query.shape[1] // channels.shape[1]
-        if query.stride(-1) != 1:
-            query = query.contiguous()
+    from_query = query_labels is None
+    if from_query:
+        channels_count, group = channels.shape[-1], query.shape[1] // channels.shape[1]
+        query = query if query.stride(-1) == 1 else query.contiguous()
         channels = channels.contiguous()
-        q = query  # unused placeholder pointer
+        labels = query  # a placeholder: the kernel reads no labels tensor
     else:
         channels_count, group = query_labels.shape[-1], 1
-        q = query_labels.float().contiguous()
+        labels = query = channels = query_labels.float().contiguous()  # query, channels: placeholders
     if channels_count & (channels_count - 1) or channels_count < 2:
         raise ValueError(f"label_channels {channels_count} is not supported by the Triton kernel; "
                          "accepted: powers of two")
@@ -103,11 +102,9 @@ def score_heads_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, s
     out = torch.empty(count, n_heads, n, device=codes.device, dtype=torch.float32)
     scale_t = scale if scale is not None else codes
     zero_t = zero if zero is not None else codes
-    from_query = query_labels is None
-    query_t, channels_t = (query, channels) if from_query else (q, q)
     _score_heads[(count * n_heads, triton.cdiv(n, BLOCK_T))](
-        q, query_t, channels_t, codes, scale_t, zero_t, rows, heads, out, n,
-        query_t.stride(0), query_t.stride(1), channels_t.stride(0), channels_t.stride(1),
+        labels, query, channels, codes, scale_t, zero_t, rows, heads, out, n,
+        query.stride(0), query.stride(1), channels.stride(0), channels.stride(1),
         codes.stride(0), codes.stride(1), codes.stride(2),
         scale_t.stride(0), scale_t.stride(1), zero_t.stride(0), zero_t.stride(1), heads.stride(0),
         HEADS=n_heads, R=channels_count, BITS=bits, BLOCK=BLOCK_T, GROUP=group,
