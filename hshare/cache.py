@@ -184,6 +184,9 @@ class HShareCache(Cache):
         # Decided at the own prefill of a reserved cache: True when even the reserved final length stays
         # below the dense fallback, so every decode step is dense and no label is ever made or written.
         self.dense_throughout: bool | None = None
+        # (source view's address, shape, strides; its copy): the key validity the sparse layers of the
+        # running prefill forward share (`prefill_metadata.defer`); reset at each prefill
+        self.prefill_valid: tuple[tuple, torch.Tensor] | None = None
 
     @property
     def stats(self) -> DecodeStats:
@@ -228,6 +231,8 @@ class HShareCache(Cache):
             raise RuntimeError("static shapes need buffers reserved at the generation's final length "
                                f"(reserve={self.reserve}, prefilled storage {None if keys is None else tuple(keys.shape)})")
         device = keys.device
+        # made now, not at the first step: made inside a capture, the graph would zero them at every replay
+        self.work.on(device)
         self.static = StaticColumns(
             valid=torch.zeros(keys.shape[0], keys.shape[2], dtype=torch.bool, device=device),
             column=torch.zeros(1, dtype=torch.long, device=device),
@@ -356,10 +361,12 @@ class HShareCache(Cache):
         for index, layer in enumerate(self.layers):
             if layer.pending is not None:
                 complete(self, index)
+        self.prefill_valid = None
 
     def begin_prefill(self) -> None:
         """A prefill forward (q_len > 1) invalidates the plan and selections of earlier steps."""
         self.finish_prefill()
+        self.prefill_valid = None
         self.state.begin_prefill()
         for layer in self.layers:
             layer.heavy = None

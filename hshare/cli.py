@@ -62,7 +62,7 @@ def _bench(args: argparse.Namespace) -> int:
         bench.main_generate(Path(args.out), args.shape, args.batch, args.prompt, args.new_tokens, paths, args.shared,
                             args.layers, args.smoke,
                             {} if args.dense_fallback_mib is None else {"dense_fallback_mib": args.dense_fallback_mib},
-                            tp=args.tp, device_map=args.device_map)
+                            tp=args.tp, device_map=args.device_map, repeats=args.repeats)
         return 0
     run = bench.main_attention if args.what == "attention" else bench.main_prefix
     run(Path(args.out), args.smoke)
@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--paths", default="", help="generate: comma-separated paths (unpatched, static, presets)")
     bench.add_argument("--shared", action="store_true", help="generate: every row is one prompt (prefix held once)")
     bench.add_argument("--layers", type=int, default=None, help="generate: cut the model to this many layers")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="generate: timed pairs (1-token, N-token generate) per path; the row gives the median")
     bench.add_argument("--dense-fallback-mib", type=float, default=None,
                        help="generate: HShareConfig.dense_fallback_mib for patched paths (0: sparse at any size)")
     bench.add_argument("--tp", type=int, default=1,

@@ -83,7 +83,8 @@ class WorkCounters:
         self.own_keys: torch.Tensor | None = None  # this step: valid own keys of all rows (device scalar)
 
     def on(self, device: torch.device) -> torch.Tensor:
-        """The ``[3]`` int64 counters on `device` (made at the first use)."""
+        """The ``[3]`` int64 counters on `device` (made at the first use; static decode makes them at
+        `HShareCache.freeze`, before any capture)."""
         work = self.work.get(device)
         if work is None:
             work = self.work[device] = torch.zeros(3, dtype=torch.int64, device=device)

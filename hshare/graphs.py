@@ -11,14 +11,23 @@ capture cannot do: Triton compilation, library handles) and is then captured: ca
 kernels without running them, so the caller must undo host-side effects of the capture pass
 (`StepGraphs.capture` returns nothing and changes no device memory). All graphs share one memory
 pool: only one step runs at a time and no graph's temporaries outlive its replay. Warm-up and capture
-run on one side stream per device for the whole process (`side_stream`): cuBLAS keeps a workspace
-per stream it has run on, so a new stream per ``generate`` would leave a workspace behind each time.
+run on one side stream per device for the whole process (`side_stream`).
+
+cuBLAS keeps a workspace per stream it has run on, held outside any pool for the rest of the process.
+As torch's own CUDA graph trees do (``torch._inductor.cudagraph_trees.clear_cublas_manager``), the
+workspaces are dropped before and after each warm-up and capture: the one a capture needs is then
+allocated in the graphs' pool and lives as long as the graphs, and none stays behind a ``generate``
+(its 32 MiB on Hopper was the last of the peak memory a patched generate held above StaticCache's).
+
+A caller that has run a step of the same kind and shapes before in this process (its kernels compiled,
+its libraries initialised) may skip the eager run: `capture_and_replay` records the step and replays it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterator
 
 import torch
 
@@ -34,6 +43,17 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return _SIDE_STREAMS[device]
+
+
+@contextlib.contextmanager
+def fresh_cublas_workspaces() -> Iterator[None]:
+    """Drop cuBLAS's per-stream workspaces on entry and exit: the block runs on workspaces allocated
+    where it runs (a capture: the graph's pool) and leaves none behind."""
+    torch._C._cuda_clearCublasWorkspaces()
+    try:
+        yield
+    finally:
+        torch._C._cuda_clearCublasWorkspaces()
 
 
 class StepGraphs:
@@ -63,7 +83,7 @@ class StepGraphs:
         current = torch.cuda.current_stream(self.device)
         side = side_stream(self.device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
+        with fresh_cublas_workspaces(), torch.cuda.stream(side):
             out = step()
         current.wait_stream(side)
         return out
@@ -72,11 +92,17 @@ class StepGraphs:
         """Record `step` as the graph of `kind` (its kernels do not run)."""
         start = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=side_stream(self.device)):
+        with fresh_cublas_workspaces(), torch.cuda.graph(graph, pool=self.pool, stream=side_stream(self.device)):
             self.outputs[kind] = step()
         self.graphs[kind] = graph
         self.replays[kind] = 0
         self.capture_seconds[kind] = time.perf_counter() - start
+
+    def capture_and_replay(self, kind: Hashable, step: Callable[[], object]) -> object:
+        """Record `step` as the graph of `kind` without an eager run first, then replay it (the step's
+        real run); for a step whose kernels and libraries a run of the same shapes has warmed up."""
+        self.capture(kind, step)
+        return self.replay(kind)
 
     def replay(self, kind: Hashable) -> object:
         """Replay the graph of `kind`; returns its static outputs (overwritten by the next replay)."""

@@ -86,17 +86,20 @@ class LabelCache:
         (`kernels.query_labels`)."""
         return query_labels(query, self.channels)
 
-    def prefill_scores(self, query: torch.Tensor) -> torch.Tensor:
+    def score_query(self, query: torch.Tensor) -> torch.Tensor:
+        """What `prefill_scores` reads of queries ``[B, Hq, Q, d]``: their labels ``[B, H_sel, Q, r]``."""
+        return self.query_labels(query)
+
+    def prefill_scores(self, query_labels: torch.Tensor) -> torch.Tensor:
         """Approximate logits of every cached token for Q query rows.
 
         Args:
-            query: ``[B, Hq, Q, d]``.
+            query_labels: ``[B, H_sel, Q, r]`` (`score_query`).
 
         Returns:
             ``[B, H_sel, Q, n]`` fp32 (fp64 for fp64 queries).
         """
-        return label_scores(self.query_labels(query), self.codes.view(), self.scale.view(), self.zero.view(),
-                            self.bits)
+        return label_scores(query_labels, self.codes.view(), self.scale.view(), self.zero.view(), self.bits)
 
     def decode_scores(self, query: torch.Tensor, rows: torch.Tensor | None = None,
                       heads: torch.Tensor | None = None) -> torch.Tensor:

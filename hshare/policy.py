@@ -59,9 +59,14 @@ class SelectionPolicy(Protocol):
         """Token scores ``[B', H', n]`` for the decode query ``[B, Hq, d]`` of rows ``[B']`` (None =
         all) and selection heads ``[B' or 1, H']`` (None = all H_sel): only those are computed."""
 
+    def score_query(self, query: torch.Tensor) -> torch.Tensor:
+        """What `prefill_scores` reads of W query rows ``[B, Hq, W, d]``: the queries themselves, or
+        less (labels: their heavy channels). The planner's evidence keeps this across a prefill
+        forward, so the smaller it is, the less the prefill's peak memory holds."""
+
     def prefill_scores(self, query: torch.Tensor) -> torch.Tensor:
-        """Token scores ``[B, H_sel, W, n]`` for W query rows ``[B, Hq, W, d]`` (the planner's
-        evidence, sparse prefill)."""
+        """Token scores ``[B, H_sel, W, n]`` for W query rows given as `score_query` made them (the
+        planner's evidence, sparse prefill)."""
 
     def scored_units(self) -> int:
         """Units (`unit`) one (row, head) decode scoring computes at the current length."""

@@ -256,6 +256,10 @@ class QuestPageCache:
         dtype = torch.float32 if pages * size < 2**24 else torch.float64  # exact integers
         return keys.to(dtype)
 
+    def score_query(self, query: torch.Tensor) -> torch.Tensor:
+        """What `prefill_scores` reads of queries ``[B, Hq, Q, d]``: the queries themselves."""
+        return query
+
     def prefill_scores(self, query: torch.Tensor) -> torch.Tensor:
         """Ranking keys ``[B, H_sel, Q, n]`` of every cached column for Q query rows ``[B, Hq, Q, d]``."""
         return self.token_keys(self.page_scores(query))

@@ -73,7 +73,7 @@ def sparse_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torc
         stop = min(steps, start + chunk)
         rows = stop - start
         valid = _row_validity(attention_mask, batch, n, steps, start, stop, query.device)  # [B, C, n]
-        scores = policy.prefill_scores(query[:, :, start:stop]) if heavy > 0 else None
+        scores = policy.prefill_scores(policy.score_query(query[:, :, start:stop])) if heavy > 0 else None
         keep = prefill_critical_mask(scores, valid, sink, local, heavy)  # [B, H_sel or 1, C, n]
         keep = keep | ~valid.any(-1)[:, None, :, None]  # a row with no key (padding): finite, unused output
         # per query head [B, Hq, C, n] -> GQA folded into rows [B, Hkv, g * C, n] (q head = kv * g + j)

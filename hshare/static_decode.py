@@ -39,6 +39,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +59,8 @@ STATIC_ON_CPU = False
 
 _STEP_INPUTS = ("input_ids", "position_ids", "cache_position")  # per-step tensors copied into static buffers
 _EAGER_ONLY = ("output_attentions", "output_hidden_states")
+# per model: the step signatures (`warm_signature`) this process has run eagerly and captured
+_WARMED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -73,6 +77,8 @@ class StaticDecodeReport:
         fusion: how the captured steps run the layers' elementwise work: "fused" (inductor kernels,
             `hshare.elementwise_fusion`), or why not ("compile_elementwise=False", a compile error).
         compile_seconds: host seconds spent compiling the fused pieces (0 once compiled at this shape).
+        eager_seconds: seconds of the eager steps run before a capture (none where this process ran a
+            step of the same kind and signature before: `warm_signature`).
     """
 
     reason: str = ""
@@ -82,6 +88,7 @@ class StaticDecodeReport:
     reserved: int = 0
     fusion: str = ""
     compile_seconds: float = 0.0
+    eager_seconds: float = 0.0
 
     @property
     def graphed_steps(self) -> int:
@@ -191,20 +198,46 @@ class StaticDecoder:
             _add_counts(cache.counts, self.deltas[kind])
             self.report.replays[kind] = self.report.replays.get(kind, 0) + 1
         else:
-            logits = self.graphs.eager(self._step)
-            self.report.eager_steps += 1
+            logits = self._first_of_kind(cache, kind)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+    def _first_of_kind(self, cache: HShareCache, kind: str) -> torch.Tensor:
+        """The first step of `kind` in this generate: captured, and run as a replay when a step of the
+        same signature ran in this process before (`warm_signature`), else run eagerly first (Triton
+        compilation, library set-up) and then captured. A capture that fails runs the step eagerly; a
+        second failure turns graphs off for the rest of the generate (`StaticDecodeReport.reason`)."""
+        signature = warm_signature(cache, kind)
+        warmed = _WARMED.setdefault(self.model, set())
+        if signature in warmed:
             before = dataclasses.replace(cache.counts)
             try:
-                self.graphs.capture(kind, self._step)
-            except Exception as error:  # noqa: BLE001 - anything the forward does that capture refuses
+                logits = self.graphs.capture_and_replay(kind, self._step).clone()
+            except Exception:  # noqa: BLE001 - whatever the capture refused, the cold path below handles
                 _restore_counts(cache.counts, before)
-                self.report.reason = f"capturing a {kind!r} step failed: {type(error).__name__}: {error}"
-                cache.thaw()
+                warmed.discard(signature)
             else:
                 self.deltas[kind] = _counts_delta(before, cache.counts)
-                _restore_counts(cache.counts, before)
+                self.report.replays[kind] = self.report.replays.get(kind, 0) + 1
                 self.report.capture_seconds[kind] = self.graphs.capture_seconds[kind]
-        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+                return logits
+        start = time.perf_counter()
+        logits = self.graphs.eager(self._step)
+        torch.cuda.synchronize(cache.static.valid.device)
+        self.report.eager_seconds += time.perf_counter() - start
+        self.report.eager_steps += 1
+        before = dataclasses.replace(cache.counts)
+        try:
+            self.graphs.capture(kind, self._step)
+        except Exception as error:  # noqa: BLE001 - anything the forward does that capture refuses
+            _restore_counts(cache.counts, before)
+            self.report.reason = f"capturing a {kind!r} step failed: {type(error).__name__}: {error}"
+            cache.thaw()
+        else:
+            self.deltas[kind] = _counts_delta(before, cache.counts)
+            _restore_counts(cache.counts, before)
+            self.report.capture_seconds[kind] = self.graphs.capture_seconds[kind]
+            warmed.add(signature)
+        return logits
 
     def _step(self) -> torch.Tensor:
         with self.fusion.active() if self.fusion is not None else contextlib.nullcontext():
@@ -257,6 +290,30 @@ class StaticDecoder:
             cache.thaw()
         self.report.eager_steps += int(kwargs["input_ids"].shape[1] == 1)
         return self.forward(**kwargs)
+
+
+def warm_signature(cache: HShareCache, kind: str) -> tuple:
+    """What a decode step's kernels and libraries are warmed up for, beyond the model: the step kind,
+    every shape the step's kernels see (rows, reserved columns, heads, dtype), the config, the shapes of
+    the compiled plan's work and the shared prefix's layout. Two generates with equal signatures launch
+    kernels of the same shapes; only their data differ (new prompts, a new plan of the same shapes), so
+    the second needs no eager warm-up before its capture. A signature that misses a specialisation costs
+    a failed capture, after which the step runs eagerly (`StaticDecoder._first_of_kind`)."""
+    keys = cache.layers[0]._keys.storage
+    # the plan's work per layer as shapes, as a set: which layer selects and which one it copies from
+    # change the tensors a step reads, not the kernels or their shapes
+    plan = frozenset((_shape(share.select_rows), tuple(sorted(_shape(rows) or () for _, rows in share.copy_groups)),
+                      tuple(share.source_heads.shape), share.all_heads) for share in cache.state.shares.values())
+    prefix = None if cache.prefix is None else tuple(
+        (level.groups, level.width, tuple(level.members.shape), level.key_valid is None, level.all_rows_in_order)
+        for level in cache.prefix.levels)
+    calibration = None if cache.calibration is None else tuple(cache.calibration.statistic.shape)
+    return (kind, tuple(keys.shape), keys.dtype, cache.q_heads, cache.kv_heads, cache.sel_heads, repr(cache.config),
+            plan, prefix, calibration, cache.dense_throughout)
+
+
+def _shape(tensor: torch.Tensor | None) -> tuple | None:
+    return None if tensor is None else tuple(tensor.shape)
 
 
 def _counts_delta(before: DecodeStats, after: DecodeStats) -> dict[str, int]:

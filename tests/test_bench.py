@@ -44,3 +44,16 @@ def test_bench_generate_smoke_plot(tmp_path):
     failed.write_text(json.dumps(results))
     assert plot(failed).stat().st_size > 0
     assert generate.figure(results).axes[0].get_ylabel() == "decode tok/s relative to unpatched"
+
+
+def test_bench_generate_repeats_report_the_median_pair(tmp_path):
+    """``--repeats 3``: three timed pairs per path, every pair's rate kept, the row's rate the median one."""
+    assert cli.main(["bench", "generate", "--smoke", "--out", str(tmp_path), "--paths", "dense,ds@512",
+                     "--repeats", "3"]) == 0
+    rows = json.loads((tmp_path / "bench_generate_tiny_b2_p40.json").read_text())["generate"]
+    for row in rows:
+        runs = row["decode_tok_s_runs"]
+        assert len(runs) == 3 and all(rate > 0 for rate in runs)
+        assert row["decode_tok_s"] == sorted(runs)[1]
+    with pytest.raises(ValueError, match="repeats=0"):
+        generate.measure_path(None, "dense", None, None, 4, "tiny", False, repeats=0)

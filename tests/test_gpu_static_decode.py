@@ -199,3 +199,67 @@ def test_repeated_generates_leave_no_memory_behind():
         allocated.append(torch.cuda.memory_allocated())
     assert allocated[1] == allocated[2] == allocated[3], allocated
     assert side_stream(torch.device("cuda")) is side_stream(torch.device("cuda", torch.cuda.current_device()))
+
+
+@pytest.mark.parametrize("preset", ["dense", "hshare-1_2-1_2-1_2", "quest"])
+def test_warm_generate_captures_without_eager_steps(preset):
+    """A second generate of the same shapes (other prompts) captures each kind and replays it at once: no eager
+    warm-up step (`static_decode.warm_signature`), the tokens of eager decode. Other shapes warm up again."""
+    model = tiny_llama(kv_heads=2, layers=4).cuda()
+    overrides = dict(SPARSE) if preset != "dense" else dict(prefix="off", **UNFUSED)
+    first_ids, first_mask = _batch([60, 44, 51, 37])
+    _, cold = _run(model, preset, first_ids, first_mask, static=True, new_tokens=12, **overrides)
+    assert cold.static_decode.eager_steps == len(cold.static_decode.replays) > 0
+    ids, mask = _batch([58, 60, 41, 49])
+    ids[:, -5:] = torch.randint(3, VOCAB, (4, 5), device="cuda")  # other prompts, the same shapes
+    eager, _ = _run(model, preset, ids, mask, static=False, new_tokens=12, **overrides)
+    graphed, warm = _run(model, preset, ids, mask, static=True, new_tokens=12, **overrides)
+    report = warm.static_decode
+    assert report.reason == "" and report.eager_steps == 0 and report.eager_seconds == 0.0
+    assert report.graphed_steps == 11 and set(report.capture_seconds) == set(report.replays)
+    assert torch.equal(graphed, eager)
+    ours, theirs = warm.stats, _run(model, preset, ids, mask, static=False, new_tokens=12, **overrides)[1].stats
+    assert (ours.kv_rows_read, ours.sparse_steps, ours.score_computations) == \
+        (theirs.kv_rows_read, theirs.sparse_steps, theirs.score_computations)
+    longer_ids, longer_mask = _batch([70, 44, 51, 37])
+    _, other = _run(model, preset, longer_ids, longer_mask, static=True, new_tokens=12, **overrides)
+    assert other.static_decode.eager_steps == len(other.static_decode.replays)
+
+
+def test_failed_warm_capture_runs_the_step_eagerly(monkeypatch):
+    """A warm capture that fails (here: the forward refuses the first capture) runs the step eagerly and
+    captures again: same tokens as eager decode, graphs kept."""
+    model = tiny_llama(kv_heads=2, layers=4).cuda()
+    ids, mask = _batch([60, 44, 51, 37])
+    _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True, new_tokens=12, **SPARSE)  # warms every kind
+    eager, _ = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=False, new_tokens=12, **SPARSE)
+    original, refused = static_decode.StaticDecoder._step, []
+
+    def refuse_first_capture(self):
+        if torch.cuda.is_current_stream_capturing() and not refused:
+            refused.append(True)
+            raise RuntimeError("refused")
+        return original(self)
+
+    monkeypatch.setattr(static_decode.StaticDecoder, "_step", refuse_first_capture)
+    graphed, cache = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True, new_tokens=12, **SPARSE)
+    assert refused and cache.static_decode.reason == ""
+    assert cache.static_decode.eager_steps == 1 and cache.static_decode.graphed_steps == 10
+    assert torch.equal(graphed, eager)
+
+
+def test_patched_generate_leaves_no_cublas_workspace():
+    """Warm-up and capture drop cuBLAS's per-stream workspaces (`hshare.graphs.fresh_cublas_workspaces`):
+    after a patched generate and its cache are gone, no more memory is allocated than before it (a side
+    stream's workspace would stay: 32 MiB on Hopper, the peak excess over StaticCache of session 10)."""
+    model = tiny_llama(kv_heads=2, layers=4).cuda()
+    ids, mask = _batch([60, 44, 51, 37])
+    _generate(model, ids, mask, new_tokens=4)  # the default stream's workspace, as any unpatched run has it
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for preset in ("dense", "hshare-1_2-1_2-1_2"):
+        _, cache = _run(model, preset, ids, mask, static=True, new_tokens=12, **SPARSE)
+        assert cache.static_decode.reason == ""
+        del cache
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= before, preset

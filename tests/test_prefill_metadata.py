@@ -80,3 +80,36 @@ def test_a_forward_without_the_model_hook_is_completed_before_decode():
             assert all(cache.layers[i].pending is None for i in cache.sparse_layers)
             tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
     assert torch.equal(torch.cat(tokens, dim=1), want[:, ids.shape[1]:])
+
+
+@pytest.mark.parametrize("preset", ["hshare-1_2-1_2-1_2", "quest-1_2-1_2-1_2"])
+def test_evidence_held_through_the_forward_is_what_the_policy_scores(preset):
+    """The planner's evidence waits through the forward in the form its policy scores
+    (`SelectionPolicy.score_query`): labels keep the query labels ``[B, H_sel, W, r]`` (not the queries),
+    Quest a copy of the queries (not a view of the forward's tensor). The layers share one copy of the
+    keys' validity."""
+    model = tiny_llama(layers=4, kv_heads=2)
+    ids, mask = left_padded([int(n) for n in torch.randint(20, 40, (3,))])
+    held = []
+
+    def record(module, args, output):
+        if args[0].shape[1] > 1:
+            held.extend(cache.layers[i].pending for i in cache.sparse_layers)
+
+    with hshare.patched(model, preset, **SMALL):
+        cache = hshare.new_cache(model)
+        hook = model.model.layers[-1].mlp.register_forward_hook(record)
+        try:
+            greedy(model, ids, mask, new_tokens=1, past_key_values=cache)
+        finally:
+            hook.remove()
+    config, rows = cache.config, cache.config.plan_rows
+    assert len(held) == len(cache.sparse_layers) > 1
+    assert all(pending.valid is held[0].valid for pending in held)  # one copy of the keys' validity per forward
+    assert held[0].valid._base is None and cache.prefill_valid is None  # a copy, dropped once complete
+    for evidence in (pending.evidence_query for pending in held):
+        assert evidence._base is None
+        if config.policy == "labels":
+            assert evidence.shape == (3, cache.sel_heads, rows, config.label_channels)
+        else:
+            assert evidence.shape == (3, cache.q_heads, rows, model.config.head_dim)

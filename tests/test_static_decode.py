@@ -283,3 +283,31 @@ def test_shared_prefix_declined_only_where_a_window_applies(sliding):
     out, cache = _run(model, "dense", ids, mask, static=False, new_tokens=8, prefix="on")
     assert (cache.prefix is not None and bool(cache.prefix.levels)) == (not sliding)
     assert torch.equal(out, reference)
+
+
+def test_warm_signature_is_the_shapes_not_the_data():
+    """Two generates of the same shapes with other prompts (so other greedy plans) have one warm signature
+    per kind: the second captures without an eager warm-up on CUDA. Other lengths, rows, configs or kinds
+    have another."""
+    model = tiny_llama(kv_heads=2, layers=4)
+    torch.manual_seed(0)
+
+    def signature(lengths, kind="select", **overrides):
+        ids, mask = left_padded(lengths)
+        _, cache = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True,
+                        **dict(SPARSE, dense_fallback_mib=0, **overrides))
+        assert cache.static_decode.reason == "" and cache.state.shares
+        plan = cache.state.plan
+        return static_decode.warm_signature(cache, kind), (plan.layer_source.tolist(), plan.head_source.tolist())
+
+    first, first_plan = signature([30, 22, 27])
+    plans = set()
+    for _ in range(4):  # other prompts: plans differ in which layers select, not in the shapes of their work
+        other, plan = signature([30, 22, 27])
+        plans.add(repr(plan))
+        assert other == first
+    assert len(plans | {repr(first_plan)}) > 1
+    assert signature([30, 22, 27], kind="reuse")[0] != first
+    assert signature([31, 22, 27])[0] != first  # one more reserved column
+    assert signature([30, 22])[0] != first  # fewer rows
+    assert signature([30, 22, 27], heavy=8)[0] != first

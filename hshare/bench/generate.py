@@ -10,11 +10,13 @@ Paths, in the same process on the same prompts:
 
 Per path: prefill time (a 1-token generate), decode tok/s = rows x (N - 1) / (t(N) - t(1)), warm-up
 (the first N-token call minus a later one: compilation or capture), peak GPU memory of an N-token
-call, KV bytes held, token agreement with the first exact path that ran (``unpatched``, else ``static``) (share of new tokens equal at the same
-position), and for patched paths what static decode did (graph replays, capture time, or why not).
-Models are built on the GPU with random weights (nothing is loaded). Rows print as they come and
-are written as JSON (and a PNG where matplotlib is installed: each path's decode tok/s relative to
-``static``, peak memory and KV beside it).
+call (``--repeats R``: R pairs of a 1-token and an N-token call after the first; the row gives the
+median pair's rate and every pair's in ``decode_tok_s_runs``, the largest peaks), KV bytes held,
+token agreement with the first exact path that ran (``unpatched``, else ``static``) (share of new
+tokens equal at the same position), and for patched paths what static decode did (graph replays,
+capture and eager warm-up time, or why not). Models are built on the GPU with random weights
+(nothing is loaded). Rows print as they come and are written as JSON (and a PNG where matplotlib is
+installed: each path's decode tok/s relative to ``static``, peak memory and KV beside it).
 
 Several GPUs (`hshare.bench.multi_gpu`): ``--tp N`` under torchrun (transformers' tensor parallelism,
 the model built sharded on the GPUs; every rank measures its own GPU, rank 0 prints and writes) or
@@ -82,6 +84,7 @@ class GenerateRow:
     decode_steps: dict = field(default_factory=dict)  # sparse presets: decode / sparse / dense-fallback steps, KV read
     ranks_agree: bool | None = None  # under TP: whether every rank generated the same tokens
     prefill_peak_gib: float = 0.0  # peak of a 1-token generate (the prefill's share of peak_gib; largest GPU)
+    decode_tok_s_runs: list = field(default_factory=list)  # decode tok/s of each timed pair (decode_tok_s: the median)
 
 
 def model_config(shape: str, layers: int | None, max_positions: int):
@@ -129,8 +132,10 @@ def _timed(fn, gpus: list[torch.device]) -> tuple[float, object]:
 
 
 def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, shape: str, shared: bool,
-                 overrides: dict | None = None) -> tuple[GenerateRow, torch.Tensor]:
+                 overrides: dict | None = None, repeats: int = 1) -> tuple[GenerateRow, torch.Tensor]:
     """Time one path (see the module docstring) in this process; returns the row and the new tokens ``[B, N]``.
+    `repeats` timed pairs (a 1-token and an N-token generate) follow the first N-token call; the row gives the
+    median pair.
     Under TP the row is this rank's: its own GPU's peak, the KV of its own heads (`merge_ranks` joins them,
     and sets the agreement with the reference tokens). The GPUs measured are the model's
     (`multi_gpu.model_gpus`)."""
@@ -153,15 +158,23 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
         return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs, **extra)
 
     gpus = multi_gpu.model_gpus(model)
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}; accepted: at least 1 timed pair")
+    batch, width = ids.shape
+    pairs, prefill_peak, peaks = [], 0.0, []
     with context:
         first, _ = _timed(lambda: generate(new_tokens), gpus)
-        multi_gpu.reset_peaks(gpus)
-        prefill, _ = _timed(lambda: generate(1), gpus)
-        prefill_peak = max(multi_gpu.peaks_gib(gpus) or [0.0])
-        multi_gpu.reset_peaks(gpus)
-        total, out = _timed(lambda: generate(new_tokens), gpus)
-        peaks = multi_gpu.peaks_gib(gpus) or [0.0]
-    batch, width = ids.shape
+        for _ in range(repeats):
+            multi_gpu.reset_peaks(gpus)
+            one, _ = _timed(lambda: generate(1), gpus)
+            prefill_peak = max(prefill_peak, *(multi_gpu.peaks_gib(gpus) or [0.0]))
+            multi_gpu.reset_peaks(gpus)
+            total, out = _timed(lambda: generate(new_tokens), gpus)
+            now = multi_gpu.peaks_gib(gpus) or [0.0]
+            peaks = [max(a, b) for a, b in zip(peaks, now)] if peaks else now
+            pairs.append((batch * (new_tokens - 1) / max(total - one, 1e-9), one, total))
+    runs = [rate for rate, _, _ in pairs]
+    decode, prefill, total = sorted(pairs)[(len(pairs) - 1) // 2]  # the median pair (the lower of two middles)
     new = out[:, width:]
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -172,7 +185,7 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
         report = cache.static_decode
         static = {"reason": report.reason, "replays": report.replays, "eager_steps": report.eager_steps,
                   "capture_s": report.capture_seconds, "reserved": report.reserved, "fusion": report.fusion,
-                  "compile_s": report.compile_seconds}
+                  "compile_s": report.compile_seconds, "eager_s": report.eager_seconds}
         if cache.config.sparse:  # how many decode steps were sparse, how many fell back to dense, KV reads
             stats = cache.stats
             steps = {"decode": stats.decode_steps, "sparse": stats.sparse_steps,
@@ -183,11 +196,10 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
         kv = batch * (width + new_tokens) * cfg.num_hidden_layers * 2 * kv_heads * head_dim \
             * torch.finfo(model.dtype).bits // 8
         static = {}
-    decode = batch * (new_tokens - 1) / max(total - prefill, 1e-9)
     row = GenerateRow(shape=shape, path=path, batch=batch, prompt=width, new_tokens=new_tokens, shared_prompt=shared,
                       prefill_s=prefill, decode_tok_s=decode, warmup_s=max(0.0, first - total), peak_gib=max(peaks),
                       kv_gib=kv / 2**30, agreement=None, static_decode=static, peak_gib_per_gpu=peaks,
-                      decode_steps=steps, prefill_peak_gib=prefill_peak)
+                      decode_steps=steps, prefill_peak_gib=prefill_peak, decode_tok_s_runs=runs)
     return row, new
 
 
@@ -229,10 +241,11 @@ def merge_ranks(results: list[tuple], reference, placement: str, failed: Generat
 def bench_generate(shape: str, batch: int, prompt: int, new_tokens: int, paths=PATHS, shared: bool = False,
                    layers: int | None = None, device: str = "cuda", dtype=torch.bfloat16,
                    overrides: dict | None = None, placement: Placement | None = None,
-                   progress=None) -> list[GenerateRow]:
+                   progress=None, repeats: int = 1) -> list[GenerateRow]:
     """Every path at one shape; `shared`: all rows are one prompt (the shared prefix held once); `overrides`:
     `HShareConfig` fields set on every patched path (``dense_fallback_mib=0`` to see sparse decode at any size);
-    `placement`: several GPUs (`multi_gpu`); `progress(rows)`: called on rank 0 after each row.
+    `placement`: several GPUs (`multi_gpu`); `progress(rows)`: called on rank 0 after each row; `repeats`: timed
+    pairs per path (`measure_path`).
     Every rank returns the same rows; only rank 0 prints."""
     placement = placement or Placement()
     model = build_model(shape, layers, device, dtype, prompt + new_tokens + 8, placement)
@@ -259,7 +272,7 @@ def bench_generate(shape: str, batch: int, prompt: int, new_tokens: int, paths=P
             row = failed
         else:
             try:
-                local, new = measure_path(model, path, ids, mask, new_tokens, shape, shared, overrides)
+                local, new = measure_path(model, path, ids, mask, new_tokens, shape, shared, overrides, repeats)
                 result = (local, new.cpu(), "")
             except Exception as error:  # one broken path must not lose the others' numbers
                 if not isinstance(error, torch.OutOfMemoryError):
@@ -298,13 +311,15 @@ def print_row(row: GenerateRow, base: GenerateRow) -> None:
     ratio = row.decode_tok_s / base.decode_tok_s if base.decode_tok_s else float("nan")
     graphs = row.static_decode.get("replays")
     static = (f"graphs {sum(graphs.values())} steps, capture {sum(row.static_decode['capture_s'].values()):.2f}s"
-              if graphs else row.static_decode.get("reason", ""))
+              f" eager {row.static_decode.get('eager_s', 0.0):.2f}s" if graphs else row.static_decode.get("reason", ""))
+    runs = row.decode_tok_s_runs
+    spread = f" [{min(runs):.0f}-{max(runs):.0f}]" if len(runs) > 1 else ""
     agreement = "" if row.agreement is None else f"{row.agreement:.3f}"
     per_gpu = f" ({'/'.join(f'{p:.1f}' for p in row.peak_gib_per_gpu)} per GPU)" \
         if len(row.peak_gib_per_gpu) > 1 else ""
     steps = f"  sparse steps {row.decode_steps['sparse']}/{row.decode_steps['decode']}" if row.decode_steps else ""
     ranks = "" if row.ranks_agree is None else ("  ranks agree" if row.ranks_agree else "  RANKS DISAGREE")
-    print(f"  {row.path:<26} prefill {row.prefill_s:7.2f}s  decode {row.decode_tok_s:8.1f} tok/s ({ratio:5.2f}x)"
+    print(f"  {row.path:<26} prefill {row.prefill_s:7.2f}s  decode {row.decode_tok_s:8.1f} tok/s{spread} ({ratio:5.2f}x)"
           f"  warm-up {row.warmup_s:6.2f}s  peak {row.peak_gib:6.2f} GiB{per_gpu} (1 token {row.prefill_peak_gib:6.2f})"
           f"  KV {row.kv_gib:6.2f} GiB"
           f"  agree {agreement:>5}{steps}{ranks}  {static}")
@@ -358,11 +373,11 @@ def figure(results: dict, source: str = ""):
 
 def main_generate(out: Path, shape: str, batch: int, prompt: int, new_tokens: int, paths, shared: bool,
                   layers: int | None, smoke: bool, overrides: dict | None = None, tp: int = 1,
-                  device_map: str | None = None) -> dict:
+                  device_map: str | None = None, repeats: int = 1) -> dict:
     """`bench_generate` printed and written (the JSON after every row, the PNG at the end). `tp` > 1: one of
     `tp` processes under torchrun (`multi_gpu.require_torchrun`), rank 0 prints and writes; `device_map`: the
     model dispatched over the GPUs. `smoke`: the tiny shape in float32, on the CPU (under TP: on the GPUs
-    where the machine has them, as transformers binds each rank to one)."""
+    where the machine has them, as transformers binds each rank to one); `repeats`: timed pairs per path."""
     try:
         placement = Placement(tp=tp, device_map=device_map)
     except ValueError as error:
@@ -391,7 +406,7 @@ def main_generate(out: Path, shape: str, batch: int, prompt: int, new_tokens: in
         (out / f"{name}.json").write_text(json.dumps(results_of(rows), indent=1))
 
     rows = bench_generate(shape, batch, prompt, new_tokens, paths, shared, layers, device, dtype, overrides,
-                          placement, partial)
+                          placement, partial, repeats)
     info["world"] = multi_gpu.world()
     info["gpus"] = multi_gpu.gather(multi_gpu.describe_gpus(_process_gpus(device)))
     results = results_of(rows)
