@@ -7,7 +7,7 @@ in growable buffers (no per-step ``torch.cat``). Sliding-window models keep full
 enforced by the attention mask, so the sparse path never attends outside it.
 
 Static shapes (`freeze`, used by `hshare.static_decode` on CUDA): buffers reserved at the
-generation's final length (``reserve``: the prompt plus ``max_new_tokens``) are exposed whole, the
+generation's final length (``reserve``: the prompt plus ``max_new_tokens`` - 1) are exposed whole, the
 decode token is written at a column held in a device tensor and key validity comes from a device
 tensor (`StaticColumns`), so every decode step of one kind has the same shapes and device work.
 
@@ -156,7 +156,7 @@ class HShareCache(Cache):
         config: the validated `HShareConfig`.
         model_config: the model's transformers config.
         calibration: heavy channels from a calibration file, or None (dynamic per row).
-        reserve: own columns per row to allocate at once (the prompt plus ``max_new_tokens``; 0 =
+        reserve: own columns per row to allocate at once (the prompt plus ``max_new_tokens`` - 1; 0 =
             grow as needed). Required for static shapes (`freeze`).
     """
 

@@ -5,7 +5,7 @@ and gather kernels per layer, so ``generate`` is bound by the host (about 50 ms 
 under 10 ms of GPU work, issue 12). This module removes the host from the step:
 
 1. **Static shapes.** The cache's buffers are reserved once at their final size (the own prompt
-   plus ``max_new_tokens``) before prefill, and decode sees them whole (`HShareCache.freeze`): the
+   plus ``max_new_tokens`` - 1: `reserved_columns`) before prefill, and decode sees them whole (`HShareCache.freeze`): the
    token is written at a column held in a device tensor, key validity is a ``[B, capacity]``
    device tensor, the heavy columns of a selection live in per-layer buffers. Every data-dependent
    decision is a device tensor (`hshare.step`), so a decode step never reads the device.
@@ -104,6 +104,13 @@ def new_token_budget(model, kwargs: dict, prompt_width: int) -> int | None:
     return None if new_tokens is None else max(0, int(new_tokens))
 
 
+def reserved_columns(prompt_width: int, new_tokens: int) -> int:
+    """Own columns a generation of `new_tokens` fills: the prompt and every new token but the last (the
+    last is sampled from the final step's logits and never fed back), as transformers' StaticCache sizes
+    ``max_cache_len``."""
+    return prompt_width + max(new_tokens - 1, 0)
+
+
 def placement_devices(model) -> list[str]:
     """The devices accelerate's ``device_map`` put the model's modules on (empty when it was not dispatched)."""
     return sorted({str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()})
@@ -166,7 +173,7 @@ class StaticDecoder:
             return self.forward(*args, **kwargs)
         if cache.own_length == 0:  # the rows' own prefill: reserve every buffer at its final size
             if not cache.reserve:
-                cache.set_reserve(ids.shape[1] + self.new_tokens)
+                cache.set_reserve(reserved_columns(ids.shape[1], self.new_tokens))
                 self.report.reserved = cache.reserve
             return self.forward(**kwargs)
         if ids.shape[1] != 1:

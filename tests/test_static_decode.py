@@ -122,17 +122,16 @@ def test_buffers_are_sized_exactly_once():
     ids, mask = left_padded([22, 15])
     new_tokens = 9
     _, cache = _run(model, "ds", ids, mask, static=True, new_tokens=new_tokens, **SPARSE)
-    reserve = ids.shape[1] + new_tokens
-    assert cache.reserve == cache.static_decode.reserved == reserve
+    reserve = ids.shape[1] + new_tokens - 1  # the last token is sampled, not fed back (StaticCache's size too)
+    assert cache.reserve == cache.static_decode.reserved == reserve and cache.static_decode.reason == ""
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     for layer in cache.layers:
         assert layer._keys.storage.shape == (2, 2, reserve, head_dim)
         assert layer._values.storage.shape == (2, 2, reserve, head_dim)
         for buffer in layer.policy.buffers:
             assert buffer.capacity == reserve
-    # every token written: the last decode step's token sits in the last column but one (the final
-    # token is sampled, not fed back)
-    assert cache.get_seq_length() == reserve - 1
+    # every column written: the last decode step's token sits in the last column
+    assert cache.get_seq_length() == reserve
     kv = 3 * 2 * (2 * 2 * reserve * head_dim * 4)
     labels = sum(b.reserved_bytes() for layer in cache.layers for b in layer.policy.buffers)
     assert cache.reserved_bytes() == kv + labels
@@ -172,7 +171,7 @@ def test_generation_below_the_dense_fallback_makes_no_labels(monkeypatch, outgro
         monkeypatch.setattr(static_decode, "new_token_budget", lambda *a: budget(*a) - 4)
         import hshare.api as api
         monkeypatch.setattr(api, "new_token_budget", static_decode.new_token_budget)
-    reserve = ids.shape[1] + new_tokens - (4 if outgrow else 0)
+    reserve = ids.shape[1] + new_tokens - 1 - (4 if outgrow else 0)
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     layer_bytes = 2 * reserve * 2 * head_dim * 4 * 2  # rows x columns x KV heads x d x float32 x (K, V)
     fallback_mib = (layer_bytes + 1) / 2**20  # the reserve is below it, one more column is not

@@ -193,7 +193,8 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
                      "kv_read_share": stats.kv_rows_read / stats.dense_kv_rows if stats.dense_kv_rows else None}
     else:  # this process's share of the KV heads (all of them unless tensor-parallel)
         kv_heads = cfg.num_key_value_heads // (getattr(model, "tp_size", None) or 1)
-        kv = batch * (width + new_tokens) * cfg.num_hidden_layers * 2 * kv_heads * head_dim \
+        # every column but the last new token's (sampled, never cached)
+        kv = batch * (width + new_tokens - 1) * cfg.num_hidden_layers * 2 * kv_heads * head_dim \
             * torch.finfo(model.dtype).bits // 8
         static = {}
     row = GenerateRow(shape=shape, path=path, batch=batch, prompt=width, new_tokens=new_tokens, shared_prompt=shared,
