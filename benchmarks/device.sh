@@ -8,6 +8,8 @@
 #              LLAMA2_PATHS overrides the paths, REPEATS the timed pairs per path (default 3)
 #   unfused    the same shape, the presets with compile_elementwise: false beside the fused ones
 #   llama3     Llama-3-8B shape, B16, 4k prompts
+#   prefix     Llama-3-8B shape, 64 and 256 copies of one 4k prompt (the prefix held once), and StaticCache
+#              at B32, the largest batch it fits (expandable segments)
 #   b8         the short-context row: Llama-2-7B shape, B8, 1k prompts
 #   prefill    where a sparse preset's prefill time goes (profile_decode.py --prefill, 8 layers)
 #   profile    the replayed decode step's kernels (8 layers), and the same with the torch.topk twin
@@ -54,6 +56,12 @@ for part in "$@"; do
     llama3)
       bench 400 --shape llama3-8b --batch 16 --prompt 4096 --new-tokens 256 --repeats "$REPEATS" \
         --paths static,dense,hshare-1_2-1_2-1_2@512 ;;
+    prefix)
+      bench 240 --shape llama3-8b --batch 64 --prompt 4096 --new-tokens 256 --shared --repeats "$REPEATS" \
+        --paths dense,hshare-1_2-1_2-1_2@512
+      bench 150 --shape llama3-8b --batch 256 --prompt 4096 --new-tokens 256 --shared --paths dense
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 240 --shape llama3-8b --batch 32 --prompt 4096 \
+        --new-tokens 256 --shared --paths static ;;
     b8)
       bench 300 --shape llama2-7b --batch 8 --prompt 1024 --new-tokens 256 --repeats "$REPEATS" \
         --paths static,dense,ds@512,hshare-1_2-1_2-1_2@512 ;;
@@ -80,7 +88,7 @@ PY
       timeout 300 python3 benchmarks/peak_memory.py ${PEAK_ARGS:---batch 8 --prompt 1024} \
         --paths static,dense,hshare-1_2-1_2-1_2@512 2>&1 | grep -v Warning | tee "$OUT/peak_memory.log" ;;
     *)
-      echo "unknown part '$part'; accepted: suite tests llama2 unfused llama3 b8 prefill profile gather topk peak" >&2
+      echo "unknown part '$part'; accepted: suite tests llama2 unfused llama3 prefix b8 prefill profile gather topk peak" >&2
       exit 2 ;;
   esac
 done
