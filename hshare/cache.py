@@ -238,9 +238,9 @@ class HShareCache(Cache):
             column=torch.zeros(1, dtype=torch.long, device=device),
         )
         for layer in self.layers:
-            for buffer in layer.buffers:
-                buffer.freeze()
-            if hasattr(layer.policy, "freeze"):  # metadata not kept per token (Quest's pages)
+            layer._keys.freeze()
+            layer._values.freeze()
+            if layer.policy is not None:
                 layer.policy.freeze(self.reserve)
             layer.keys, layer.values = layer._keys.view(), layer._values.view()
             layer.column = self.static.column
@@ -250,9 +250,9 @@ class HShareCache(Cache):
         """Back to growing buffers and views of the stored tokens (generation goes on eagerly)."""
         self.static = None
         for layer in self.layers:
-            for buffer in layer.buffers:
-                buffer.thaw()
-            if hasattr(layer.policy, "thaw"):
+            layer._keys.thaw()
+            layer._values.thaw()
+            if layer.policy is not None:
                 layer.policy.thaw(layer._keys.length)
             layer.column = None
             if layer._keys.storage is not None:

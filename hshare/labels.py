@@ -116,6 +116,18 @@ class LabelCache:
         return decode_label_scores(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
                                    self.bits, rows, heads)
 
+    def freeze(self, width: int) -> None:
+        """Static shapes: the label buffers, reserved at `width` columns, are exposed whole."""
+        if self.codes.capacity < width:
+            raise RuntimeError(f"labels reserved for {self.codes.capacity} columns, static decode needs {width}")
+        for buffer in self.buffers:
+            buffer.freeze()
+
+    def thaw(self, length: int) -> None:
+        """Back to growing label buffers (their lengths followed every static step: `advance`)."""
+        for buffer in self.buffers:
+            buffer.thaw()
+
     def select_rows(self, rows: torch.Tensor) -> None:
         for buffer in self.buffers:
             buffer.select_rows(rows)

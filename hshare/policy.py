@@ -74,6 +74,13 @@ class SelectionPolicy(Protocol):
     def nbytes(self) -> int:
         """Bytes of the metadata."""
 
+    def freeze(self, width: int) -> None:
+        """Static shapes from now on: the metadata of `width` own columns per row (the reserve) is
+        exposed whole and written in place (`write`)."""
+
+    def thaw(self, length: int) -> None:
+        """Back to growing metadata after static steps wrote the columns up to `length`."""
+
     def write(self, column: torch.Tensor, keys: torch.Tensor) -> None:
         """Static shapes: the metadata of the key at the column held in the ``[1]`` device tensor
         `column`, read from the layer's whole key buffer `keys` ``[B, Hkv, n, d]`` (policies that

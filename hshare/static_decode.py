@@ -5,14 +5,17 @@ and gather kernels per layer, so ``generate`` is bound by the host (about 50 ms 
 under 10 ms of GPU work, issue 12). This module removes the host from the step:
 
 1. **Static shapes.** The cache's buffers are reserved once at their final size (the own prompt
-   plus ``max_new_tokens`` - 1: `reserved_columns`) before prefill, and decode sees them whole (`HShareCache.freeze`): the
-   token is written at a column held in a device tensor, key validity is a ``[B, capacity]``
-   device tensor, the heavy columns of a selection live in per-layer buffers. Every data-dependent
-   decision is a device tensor (`hshare.step`), so a decode step never reads the device.
+   plus ``max_new_tokens`` - 1: `reserved_columns`) before prefill, and decode sees them whole
+   (`HShareCache.freeze`): the token is written at a column held in a device tensor, key validity is
+   a ``[B, capacity]`` device tensor, the heavy columns of a selection live in per-layer buffers.
+   Every data-dependent decision is a device tensor (`hshare.step`), so a decode step never reads
+   the device.
 2. **Graphs per step kind.** The host knows each step's kind without reading the device
    (``"dense"``, ``"select"``, ``"reuse"``: `hshare.step.STEP_KINDS`); the first step of a kind runs
-   eagerly and is captured (`hshare.graphs.StepGraphs`), later ones replay it. A step costs a
-   few small host launches (the inputs, the column, the validity) plus one graph launch.
+   eagerly and is captured (`hshare.graphs.StepGraphs`), later ones replay it. Where this process
+   has captured a step of the same `warm_signature` before (a later ``generate`` of the same
+   shapes), the first step of a kind is captured at once and replayed, with no eager run. A step
+   costs a few small host launches (the inputs, the column, the validity) plus one graph launch.
 3. **Fused elementwise work.** Inside the recorded steps the layers' norms, rotary embedding and MLP
    activation run compiled by inductor (`hshare.elementwise_fusion`, ``compile_elementwise``): what
    transformers' compiled StaticCache path fuses, without compiling the step itself.

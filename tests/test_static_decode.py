@@ -310,3 +310,19 @@ def test_warm_signature_is_the_shapes_not_the_data():
     assert signature([31, 22, 27])[0] != first  # one more reserved column
     assert signature([30, 22])[0] != first  # fewer rows
     assert signature([30, 22, 27], heavy=8)[0] != first
+
+
+def test_label_cache_freezes_whole_at_its_reserve():
+    """`LabelCache.freeze` exposes the whole reserved label buffers (`SelectionPolicy.freeze`, as Quest's
+    pages), refuses a width beyond its reserve, and `thaw` returns to the written columns."""
+    from hshare.labels import LabelCache
+
+    keys = torch.randn(2, 2, 6, 8)
+    store = LabelCache(torch.stack([torch.randperm(8)[:4] for _ in range(2)])[None], 4, kv_heads=2, reserve=10)
+    store.append(keys)
+    with pytest.raises(RuntimeError, match="labels reserved for 10 columns, static decode needs 12"):
+        store.freeze(12)
+    store.freeze(10)
+    assert all(buffer.view().shape[2] == 10 for buffer in store.buffers)
+    store.thaw(6)
+    assert all(buffer.view().shape[2] == 6 for buffer in store.buffers) and store.length == 6

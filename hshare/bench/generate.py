@@ -320,7 +320,8 @@ def print_row(row: GenerateRow, base: GenerateRow) -> None:
         if len(row.peak_gib_per_gpu) > 1 else ""
     steps = f"  sparse steps {row.decode_steps['sparse']}/{row.decode_steps['decode']}" if row.decode_steps else ""
     ranks = "" if row.ranks_agree is None else ("  ranks agree" if row.ranks_agree else "  RANKS DISAGREE")
-    print(f"  {row.path:<26} prefill {row.prefill_s:7.2f}s  decode {row.decode_tok_s:8.1f} tok/s{spread} ({ratio:5.2f}x)"
+    print(f"  {row.path:<26} prefill {row.prefill_s:7.2f}s  decode {row.decode_tok_s:8.1f} tok/s{spread}"
+          f" ({ratio:5.2f}x)"
           f"  warm-up {row.warmup_s:6.2f}s  peak {row.peak_gib:6.2f} GiB{per_gpu} (1 token {row.prefill_peak_gib:6.2f})"
           f"  KV {row.kv_gib:6.2f} GiB"
           f"  agree {agreement:>5}{steps}{ranks}  {static}")
