@@ -6,7 +6,7 @@ reads. The buffer over-allocates and hands out views ``[..., :length, ...]`` of 
 step writes one token and the attention kernels read the cache in place.
 
 Static shapes (`hshare.static_decode`, CUDA graphs): given a `reserve` (the prompt plus
-``max_new_tokens``, known when ``generate`` starts) the first allocation is that final size and
+``max_new_tokens`` - 1, known when ``generate`` starts) the first allocation is that final size and
 nothing is ever copied to grow. `freeze` then makes `view` the whole storage (a fixed shape every
 step) and decode writes its token at a column held in a device tensor (`write`), so one captured
 step serves every step; the host-side `length` is advanced by the caller (`advance`).

@@ -134,7 +134,7 @@ class HShareConfig:
         prefix_levels: 1 (one prefix for all rows) or 2 (plus groups of rows sharing more, e.g. the
             samples of each question after a common few-shot prefix).
         cuda_graphs: on CUDA, ``generate`` decodes with static shapes (buffers sized once for the
-            prompt plus ``max_new_tokens``) and replays each kind of decode step as a CUDA graph
+            prompt plus ``max_new_tokens`` - 1) and replays each kind of decode step as a CUDA graph
             (`hshare.static_decode`); where that cannot apply (beam search, tensor parallelism, an
             unknown final length...) it decodes eagerly and says why in ``cache.static_decode``.
             False = always eager. Tokens are the same either way.
