@@ -9,7 +9,7 @@ Static shapes (`hshare.static_decode`, CUDA graphs): given a `reserve` (the prom
 ``max_new_tokens`` - 1, known when ``generate`` starts) the first allocation is that final size and
 nothing is ever copied to grow. `freeze` then makes `view` the whole storage (a fixed shape every
 step) and decode writes its token at a column held in a device tensor (`write`), so one captured
-step serves every step; the host-side `length` is advanced by the caller (`advance`).
+step serves every step; the host-side `length` is advanced by the caller (`HShareCache.advance`).
 """
 
 from __future__ import annotations
@@ -87,11 +87,6 @@ class GrowingBuffer:
         no host value involved, so a captured step writes where the replayed step is."""
         self.storage.index_copy_(2, column, new)
 
-    def advance(self, tokens: int) -> None:
-        """Host bookkeeping of tokens written by `write` (the column tensor follows the length)."""
-        if self.length + tokens > self.capacity:
-            raise RuntimeError(f"static buffer full: {self.length} + {tokens} tokens > capacity {self.capacity}")
-        self.length += tokens
 
     # ---- rows and length ----------------------------------------------------------------
     def select_rows(self, rows: torch.Tensor) -> None:

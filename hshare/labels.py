@@ -124,7 +124,7 @@ class LabelCache:
             buffer.freeze()
 
     def thaw(self, length: int) -> None:
-        """Back to growing label buffers (their lengths followed every static step: `advance`)."""
+        """Back to growing label buffers (their lengths followed every static step: `HShareCache.advance`)."""
         for buffer in self.buffers:
             buffer.thaw()
 

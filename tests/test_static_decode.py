@@ -130,8 +130,11 @@ def test_buffers_are_sized_exactly_once():
         assert layer._values.storage.shape == (2, 2, reserve, head_dim)
         for buffer in layer.policy.buffers:
             assert buffer.capacity == reserve
-    # every column written: the last decode step's token sits in the last column
+    # every column written: the last decode step's token sits in the last column, every buffer followed
     assert cache.get_seq_length() == reserve
+    assert all(buffer.length == reserve for layer in cache.layers for buffer in layer.buffers)
+    with pytest.raises(RuntimeError, match=f"static buffers full: {reserve} \\+ 1 tokens > reserve {reserve}"):
+        cache.advance(1)
     kv = 3 * 2 * (2 * 2 * reserve * head_dim * 4)
     labels = sum(b.reserved_bytes() for layer in cache.layers for b in layer.policy.buffers)
     assert cache.reserved_bytes() == kv + labels
