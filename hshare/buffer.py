@@ -87,7 +87,6 @@ class GrowingBuffer:
         no host value involved, so a captured step writes where the replayed step is."""
         self.storage.index_copy_(2, column, new)
 
-
     # ---- rows and length ----------------------------------------------------------------
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep (or repeat / reorder) batch rows: beam search, ``batch_select_indices``."""

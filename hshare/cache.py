@@ -371,8 +371,7 @@ class HShareCache(Cache):
 
     def begin_prefill(self) -> None:
         """A prefill forward (q_len > 1) invalidates the plan and selections of earlier steps."""
-        self.finish_prefill()
-        self.prefill_valid = None
+        self.finish_prefill()  # (also drops the last forward's shared validity)
         self.state.begin_prefill()
         for layer in self.layers:
             layer.heavy = None

@@ -206,7 +206,6 @@ class StaticDecoder:
         elif kind in self.graphs:
             logits = self.graphs.replay(kind).clone()
             _add_counts(cache.counts, self.deltas[kind])
-            self.report.replays[kind] = self.report.replays.get(kind, 0) + 1
         else:
             logits = self._first_of_kind(cache, kind)
         return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
@@ -227,8 +226,6 @@ class StaticDecoder:
                 warmed.discard(signature)
             else:
                 self.deltas[kind] = _counts_delta(before, cache.counts)
-                self.report.replays[kind] = self.report.replays.get(kind, 0) + 1
-                self.report.capture_seconds[kind] = self.graphs.capture_seconds[kind]
                 return logits
         start = time.perf_counter()
         logits = self.graphs.eager(self._step)
@@ -245,7 +242,6 @@ class StaticDecoder:
         else:
             self.deltas[kind] = _counts_delta(before, cache.counts)
             _restore_counts(cache.counts, before)
-            self.report.capture_seconds[kind] = self.graphs.capture_seconds[kind]
             warmed.add(signature)
         return logits
 
@@ -268,7 +264,8 @@ class StaticDecoder:
                           and not isinstance(value, torch.Tensor)}
         device = cache.static.valid.device
         self.graphs = StepGraphs(device) if device.type == "cuda" else None
-        if self.graphs is not None:
+        if self.graphs is not None:  # the report shows the graphs' own counts (kept as they capture and replay)
+            self.report.replays, self.report.capture_seconds = self.graphs.replays, self.graphs.capture_seconds
             self._fuse(cache)
         return None
 

@@ -141,6 +141,8 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
     (`multi_gpu.model_gpus`)."""
     import hshare
 
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}; accepted: at least 1 timed pair")
     kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
     patched = path not in ("unpatched", "static")
     context = hshare.patched(model, path, prefix="auto" if shared else "off", **(overrides or {})) if patched \
@@ -158,8 +160,6 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
         return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs, **extra)
 
     gpus = multi_gpu.model_gpus(model)
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats}; accepted: at least 1 timed pair")
     batch, width = ids.shape
     pairs, prefill_peak, peaks = [], 0.0, []
     with context:
