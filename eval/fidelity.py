@@ -25,6 +25,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hshare import compat
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -132,8 +134,8 @@ def _decode(model, input_ids: torch.Tensor, steps: int, continuation: torch.Tens
     device = model.device
     cache = _new_decode_cache(model) if cache is None else cache
     mask = torch.ones(batch, prompt + steps, dtype=torch.long, device=device)
-    out = model(input_ids=input_ids.to(device), attention_mask=mask[:, :prompt], past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
+    out = model(input_ids=input_ids.to(device), attention_mask=mask[:, :prompt], use_cache=True, logits_to_keep=1,
+                **{compat.CACHE_KWARG: cache})
     tokens, logits = [], []
     for t in range(steps):
         step_logits = out.logits[:, -1].float()
@@ -144,7 +146,7 @@ def _decode(model, input_ids: torch.Tensor, steps: int, continuation: torch.Tens
             break
         position = torch.full((batch, 1), prompt + t, dtype=torch.long, device=device)
         out = model(input_ids=token[:, None], attention_mask=mask[:, :prompt + t + 1], position_ids=position,
-                    past_key_values=cache, use_cache=True)
+                    use_cache=True, **{compat.CACHE_KWARG: cache})
     return torch.stack(tokens, 1), torch.stack(logits, 1)
 
 

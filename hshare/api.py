@@ -6,7 +6,7 @@ Patching (transformers 5.x attention interface, no forward replacement):
 2. switches the model to it with ``set_attn_implementation`` (the previous one is restored by
    `unpatch`);
 3. adds a forward pre-hook on each attention module that hands the layer the generation's
-   `HShareCache` (``past_key_values`` is not among the attention function's kwargs), and a forward
+   `HShareCache` (the cache is not among the attention function's kwargs), and a forward
    hook on the model that builds the sparse layers' prefill metadata once a forward is done
    (`HShareCache.finish_prefill`);
 4. wraps the instance's ``generate`` so that every call gets a fresh `HShareCache` (unless the
@@ -27,6 +27,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from hshare import compat
 from hshare.attention import ATTENTION_NAME, hshare_attention
 from hshare.cache import HShareCache
 from hshare.channels import ChannelCalibration, resolve_calibration
@@ -56,16 +57,35 @@ def _register() -> None:
 
 
 def _hand_over_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    cache = kwargs.get("past_key_values")
+    cache = compat.cache_from(kwargs)
     if isinstance(cache, HShareCache):
         kwargs["hshare_cache"] = cache
     return args, kwargs
 
 
+_OUTPUT_ATTENTIONS_REFUSED = (
+    "output_attentions=True on an hshare-patched model: its attention returns no weights (decode attends to "
+    "critical tokens only, prefill and dense steps run SDPA); accepted: output_attentions=False, or "
+    "hshare.unpatch(model) (or `with hshare.patched(...)` around the calls that should be patched) to get the weights"
+)
+
+
+def _refuse_output_attentions(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """A forward asking for attention weights (the call's flag, else the model config's) is refused by name,
+    as ``generate`` refuses it: the weights a patched model would return are not the attention it ran."""
+    requested = kwargs.get("output_attentions")
+    if requested is None:
+        requested = getattr(model.config, "output_attentions", False)
+    if requested:
+        raise ValueError(_OUTPUT_ATTENTIONS_REFUSED)
+
+
 def _finish_prefill(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     """After a forward of the model: the sparse layers' prefill metadata, now that the forward's
     activations are freed (`HShareCache.finish_prefill`)."""
-    cache = kwargs.get("past_key_values", getattr(output, "past_key_values", None))
+    cache = compat.cache_from(kwargs)
+    if cache is None:
+        cache = compat.output_cache(output)
     if isinstance(cache, HShareCache):
         cache.finish_prefill()
 
@@ -108,16 +128,13 @@ def _wrap_generate(model) -> None:
     @functools.wraps(original)
     def generate(*args, **kwargs):
         if generation_setting(model, kwargs, "output_attentions"):
-            raise ValueError(
-                "output_attentions=True on an hshare-patched model: its attention returns no weights (decode "
-                "attends to critical tokens only, prefill and dense steps run SDPA); accepted: "
-                "output_attentions=False, or hshare.unpatch(model) (or `with hshare.patched(...)` around the "
-                "calls that should be patched) to get the weights"
-            )
+            raise ValueError(_OUTPUT_ATTENTIONS_REFUSED)
         wants_cache = kwargs.get("use_cache", True) is not False
         implementation = generation_setting(model, kwargs, "cache_implementation")
-        if not (wants_cache and kwargs.get("past_key_values") is None):
-            return _generate(model, original, args, kwargs)
+        given = compat.cache_from(kwargs)  # either spelling; passed on under the installed release's name
+        kwargs = compat.without_cache(kwargs)
+        if given is not None or not wants_cache:
+            return _generate(model, original, args, kwargs if given is None else compat.with_cache(kwargs, given))
         if implementation not in _HSHARE_CACHE_IMPLEMENTATIONS:
             raise ValueError(
                 f"cache_implementation={implementation!r} is not available on an hshare-patched model (its "
@@ -125,8 +142,7 @@ def _wrap_generate(model) -> None:
                 "with static shapes and CUDA graphs, the default on CUDA), or hshare.unpatch(model) first"
             )
         with _without_cache_implementation(model, kwargs) as kwargs:
-            kwargs["past_key_values"] = new_cache(model)
-            return _generate(model, original, args, kwargs)
+            return _generate(model, original, args, compat.with_cache(kwargs, new_cache(model)))
 
     model.generate = generate
 
@@ -146,7 +162,7 @@ def refuse_split_placement(model, config: HShareConfig) -> None:
 
 def _generate(model, original, args: tuple, kwargs: dict):
     """``generate`` with hshare's cache: the shared prefix held once, static-shape decode."""
-    cache = kwargs.get("past_key_values")
+    cache = compat.cache_from(kwargs)
     if isinstance(cache, HShareCache):
         refuse_split_placement(model, cache.config)  # the model may have been dispatched after patching
     if isinstance(cache, HShareCache) and cache.prefix is not None:
@@ -206,6 +222,7 @@ def patch(model, config: HShareConfig | str | os.PathLike | None = None, **overr
     Returns:
         The same model, patched in place. Patching a patched model replaces its config.
     """
+    compat.check_installed()
     adapter = adapter_for(model)
     config = resolve_config(config, **overrides)
     model_config = model.config
@@ -222,6 +239,7 @@ def patch(model, config: HShareConfig | str | os.PathLike | None = None, **overr
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
     hooks = [m.register_forward_pre_hook(_hand_over_cache, with_kwargs=True) for m in adapter.attention_modules(model)]
+    hooks.append(model.register_forward_pre_hook(_refuse_output_attentions, with_kwargs=True))
     hooks.append(model.register_forward_hook(_finish_prefill, with_kwargs=True))
     had_instance_generate = "generate" in model.__dict__
     model.__dict__[_STATE_ATTR] = PatchState(config, calibration, previous, hooks, had_instance_generate)

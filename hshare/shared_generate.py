@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from hshare import compat
 from hshare.cache import HShareCache
 from hshare.prefix import build_layout, detect_shared_prefix, unpadded_prompts
 from hshare.prefix_store import PrefixLevel, PrefixStore
@@ -94,7 +95,8 @@ def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple
 
     _prefill_levels(model, cache, layout)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("inputs", "input_ids")}
-    kwargs.update(attention_mask=layout.attention_mask, num_return_sequences=1, past_key_values=cache)
+    kwargs.update(attention_mask=layout.attention_mask, num_return_sequences=1)
+    compat.with_cache(kwargs, cache)
     for length, new in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
         if generation_setting(model, kwargs, new) is None and (generation_setting(model, kwargs, length) or 0) > 0:
             kwargs[length] = generation_setting(model, kwargs, length) + extra
@@ -124,6 +126,6 @@ def _prefill_levels(model, cache: HShareCache, layout) -> None:
             own = torch.ones_like(tokens) if valid is None else valid.long()
             mask = torch.cat((torch.ones((groups, start), dtype=torch.long, device=tokens.device), own), dim=1)
         cache.begin_prefix_fill(index)
-        model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-              logits_to_keep=1)
+        model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+              **{compat.CACHE_KWARG: cache})
     cache.end_prefix_fill()

@@ -48,8 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.modeling_outputs import CausalLMOutputWithPast
-
+from hshare import compat
 from hshare.cache import HShareCache
 from hshare.counters import DecodeStats
 from hshare.elementwise_fusion import ElementwiseFusion
@@ -170,7 +169,7 @@ class StaticDecoder:
         self.cache: HShareCache | None = None
 
     def __call__(self, *args, **kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = compat.cache_from(kwargs)
         ids = kwargs.get("input_ids")
         if args or not isinstance(cache, HShareCache) or ids is None or cache.filling_prefix or self.report.reason:
             return self.forward(*args, **kwargs)
@@ -208,7 +207,7 @@ class StaticDecoder:
             _add_counts(cache.counts, self.deltas[kind])
         else:
             logits = self._first_of_kind(cache, kind)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        return compat.causal_lm_output(logits, cache)
 
     def _first_of_kind(self, cache: HShareCache, kind: str) -> torch.Tensor:
         """The first step of `kind` in this generate: captured, and run as a replay when a step of the
@@ -247,8 +246,8 @@ class StaticDecoder:
 
     def _step(self) -> torch.Tensor:
         with self.fusion.active() if self.fusion is not None else contextlib.nullcontext():
-            return self.forward(**self.inputs, **self.constants, past_key_values=self.cache, attention_mask=None,
-                                use_cache=True, return_dict=True).logits
+            return self.forward(**self.inputs, **self.constants, **{compat.CACHE_KWARG: self.cache},
+                                attention_mask=None, use_cache=True, return_dict=True).logits
 
     def _freeze(self, cache: HShareCache, kwargs: dict) -> str | None:
         if cache.reserve != cache.layers[0]._keys.capacity:
@@ -259,8 +258,8 @@ class StaticDecoder:
         self.cache = cache
         cache.freeze()
         self.inputs = {name: kwargs[name].clone() for name in _STEP_INPUTS if isinstance(kwargs.get(name), torch.Tensor)}
-        self.constants = {name: value for name, value in kwargs.items()
-                          if name not in (*_STEP_INPUTS, "past_key_values", "attention_mask", "use_cache", "return_dict")
+        self.constants = {name: value for name, value in compat.without_cache(kwargs).items()
+                          if name not in (*_STEP_INPUTS, "attention_mask", "use_cache", "return_dict")
                           and not isinstance(value, torch.Tensor)}
         device = cache.static.valid.device
         self.graphs = StepGraphs(device) if device.type == "cuda" else None

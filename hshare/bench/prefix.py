@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hshare import compat
 from hshare.bench.attention import bench_preset
 from hshare.bench.results import environment, speedup_panels, write
 from hshare.bench.timing import dense_graph_us, dense_sdpa_us, graph_time_us, time_us
@@ -123,7 +124,7 @@ def prefix_memory(samples=128, prompt=4096, new_tokens=256, device="cuda", dtype
     ids = torch.randint(3, 512, (1, prompt), device=device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, num_return_sequences=samples,
                   pad_token_id=0)
-    plain = model.generate(ids, return_dict_in_generate=True, **kwargs).past_key_values
+    plain = compat.output_cache(model.generate(ids, return_dict_in_generate=True, **kwargs))
     dynamic = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in plain.layers)
     del plain
     with hshare.patched(model, "dense", prefix=prefix):
