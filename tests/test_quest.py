@@ -197,7 +197,9 @@ def test_budget_covering_context_equals_dense(llama, preset, selection):
     ref_tokens, ref_logits = generate_with_logits(llama, ids, mask)
     with hshare.patched(llama, preset, selection=selection, **WIDE):
         tokens, logits = generate_with_logits(llama, ids, mask)
-    assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits)
+    # exact attention, summed in another order where transformers repeats K/V per query head (before 5.23)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("selection", ["kv_head", "query_head"])

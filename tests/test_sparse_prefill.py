@@ -28,7 +28,9 @@ def test_budget_covering_the_prompt_equals_dense(llama, preset):
     ref_tokens, ref_logits = generate_with_logits(llama, ids, mask)
     with hshare.patched(llama, preset, sparse_prefill=True, **WIDE):
         tokens, logits = generate_with_logits(llama, ids, mask)
-    assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits)
+    # exact attention, summed in another order where transformers repeats K/V per query head (before 5.23)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
 
 
 def brute_sparse_attention(query, key, value, keep, scale):
