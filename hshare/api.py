@@ -34,7 +34,8 @@ from hshare.cache import HShareCache
 from hshare.channels import ChannelCalibration, resolve_calibration
 from hshare.config import HShareConfig, resolve_config
 from hshare.patches import adapter_for
-from hshare.shared_generate import generate_with_shared_prefix, generation_setting
+from hshare.generate_features import OUTPUT_ATTENTIONS_REFUSED, refusal
+from hshare.shared_generate import generate_with_shared_prefix
 from hshare.static_decode import (StaticDecodeReport, StaticDecoder, new_token_budget, placement_devices,
                                   static_decode_unsupported)
 
@@ -64,19 +65,12 @@ def _hand_over_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tupl
     return args, kwargs
 
 
-_OUTPUT_ATTENTIONS_REFUSED = (
-    "output_attentions=True on an hshare-patched model: its attention returns no weights (decode attends to "
-    "critical tokens only, prefill and dense steps run SDPA); accepted: output_attentions=False, or "
-    "hshare.unpatch(model) (or `with hshare.patched(...)` around the calls that should be patched) to get the weights"
-)
-
-
 def _before_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Before a forward of the patched model: the cache under the installed release's name whichever
     spelling the caller used, and a request for attention weights refused by name, as ``generate`` refuses
     it (transformers refuses ``config.output_attentions = True`` itself under a non-eager attention)."""
     if kwargs.get("output_attentions"):
-        raise ValueError(_OUTPUT_ATTENTIONS_REFUSED)
+        raise ValueError(OUTPUT_ATTENTIONS_REFUSED)
     cache = compat.cache_from(kwargs)
     if cache is not None:
         compat.with_cache(kwargs, cache)
@@ -105,9 +99,6 @@ def patch_state(model) -> PatchState | None:
     return model.__dict__.get(_STATE_ATTR)
 
 
-_HSHARE_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
-
-
 @contextlib.contextmanager
 def _without_cache_implementation(model, kwargs: dict) -> Iterator[dict]:
     """`kwargs` without a cache implementation, and none in the generation configs for the call
@@ -130,20 +121,14 @@ def _wrap_generate(model) -> None:
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        if generation_setting(model, kwargs, "output_attentions"):
-            raise ValueError(_OUTPUT_ATTENTIONS_REFUSED)
         wants_cache = kwargs.get("use_cache", True) is not False
-        implementation = generation_setting(model, kwargs, "cache_implementation")
         given = compat.cache_from(kwargs)  # either spelling; passed on under the installed release's name
         kwargs = compat.without_cache(kwargs)
+        refused = refusal(model, kwargs, hshare_cache=given is None and wants_cache)
+        if refused is not None:
+            raise ValueError(refused)
         if given is not None or not wants_cache:
             return _generate(model, original, args, kwargs if given is None else compat.with_cache(kwargs, given))
-        if implementation not in _HSHARE_CACHE_IMPLEMENTATIONS:
-            raise ValueError(
-                f"cache_implementation={implementation!r} is not available on an hshare-patched model (its "
-                "cache is hshare's); accepted: None or 'dynamic' (hshare's cache), 'static' (hshare's cache "
-                "with static shapes and CUDA graphs, the default on CUDA), or hshare.unpatch(model) first"
-            )
         with _without_cache_implementation(model, kwargs) as kwargs:
             return _generate(model, original, args, compat.with_cache(kwargs, new_cache(model)))
 

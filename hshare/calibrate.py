@@ -16,7 +16,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hshare.channels import (ChannelCalibration, bundled_calibration_dir, calibration_file_name, channel_statistic,
                              model_signature, user_calibration_dir)
-from hshare.patches import adapter_for
+from hshare.patches import adapter_for, head_dim
 
 _RECORDER = "hshare_calibration"
 
@@ -26,8 +26,7 @@ def calibrate(model, tokenizer, text: str, blocks: int = 16, block_tokens: int =
     """Heavy-channel statistic of `model` over `blocks` consecutive blocks of `text`."""
     adapter_for(model)
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    total = torch.zeros(config.num_hidden_layers, config.num_attention_heads, head_dim, dtype=torch.float64)
+    total = torch.zeros(config.num_hidden_layers, config.num_attention_heads, head_dim(config), dtype=torch.float64)
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
     usable = min(blocks, ids.numel() // block_tokens)
     if usable == 0:

@@ -22,15 +22,15 @@ from pathlib import Path
 import torch
 
 from hshare.kernels import channel_statistic
+from hshare.patches import head_dim
 
 
 def model_signature(model_config) -> str:
     """Shape signature that ties a calibration file to a model architecture."""
     heads = model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
     return (
         f"{model_config.model_type}-L{model_config.num_hidden_layers}-H{heads}-KV{model_config.num_key_value_heads}"
-        f"-D{head_dim}-hidden{model_config.hidden_size}-vocab{model_config.vocab_size}"
+        f"-D{head_dim(model_config)}-hidden{model_config.hidden_size}-vocab{model_config.vocab_size}"
     )
 
 

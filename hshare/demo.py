@@ -11,6 +11,7 @@ set (openai/grade-school-math, MIT licence); ``--data-dir`` reads ``gsm8k/test.j
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -21,7 +22,6 @@ from tqdm.auto import tqdm
 
 import hshare
 from hshare.default_model import load_default_model
-from hshare.eval.fidelity import common_prefix_tokens, gsm8k_gold, last_number, token_agreement
 
 DEMO_PRESETS = ("dense", "dense+prefix", "streaming", "ds", "hshare-7_8-3_4-1_2", "hshare-3_4-3_4-1_2",
                 "hshare-1_2-1_2-1_2")
@@ -32,6 +32,48 @@ ONE_SHOT = (
     "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in April and May.\n"
     "The answer is 72.",
 )
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def token_agreement(generated: torch.Tensor, reference: torch.Tensor, pad_token_id: int | None = None) -> float:
+    """Fraction of reference tokens that the generation reproduces at the same position.
+
+    Args:
+        generated, reference: ``[B, T]`` new tokens (T may differ: the shorter one is padded).
+        pad_token_id: tokens after a row's end in the reference are not counted.
+    """
+    width = max(generated.shape[1], reference.shape[1])
+    generated = torch.nn.functional.pad(generated, (0, width - generated.shape[1]), value=-1)
+    reference = torch.nn.functional.pad(reference, (0, width - reference.shape[1]), value=-1)
+    counted = reference != -1
+    if pad_token_id is not None:
+        counted &= reference != pad_token_id
+    return float(((generated == reference) & counted).sum() / counted.sum().clamp(min=1))
+
+
+def common_prefix_tokens(generated: torch.Tensor, reference: torch.Tensor) -> float:
+    """Mean number of leading new tokens identical to the reference (until the first divergence)."""
+    width = min(generated.shape[1], reference.shape[1])
+    same = (generated[:, :width] == reference[:, :width]).long()
+    return float(same.cumprod(-1).sum(-1).float().mean())
+
+
+def gsm8k_gold(answer: str) -> str | None:
+    """The number after ``####`` in a GSM8K answer."""
+    if "####" not in answer:
+        return None
+    return answer.split("####")[-1].strip().replace(",", "")
+
+
+def last_number(text: str) -> str | None:
+    """The last number in a generated answer (lm-eval's flexible-extract rule)."""
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    value = found[-1].replace(",", "").rstrip(".")
+    return value[:-2] if value.endswith(".0") else value
 
 
 @dataclass

@@ -30,6 +30,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from hshare import patches
+
 _OPTIONS = {"emulate_precision_casts": True}  # round intermediates to the model's dtype as eager does
 _COMPILED: dict[Callable, Callable] = {}  # one compiled function per class forward / rotary function
 
@@ -94,7 +96,7 @@ class ElementwiseFusion:
         config = self.model.config
         device, dtype = self.model.device, self.model.dtype
         heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        head_dim = patches.head_dim(config)
         start = time.perf_counter()
         try:
             with torch.no_grad(), self.active():

@@ -7,36 +7,25 @@
    cache already holds the level columns, so generate prefills only the own parts.
 4. Return the sequences with the caller's original prompt in front of the new tokens.
 
-Falls back to the ordinary path (returns None) where sharing does not apply: beam search and
-assisted decoding (rows are regrouped by beam scores; the prefix would need a beam-aware layout),
-``inputs_embeds``, a streamer or ``output_hidden_states`` (they would be handed the rearranged
-prompt's own columns, not the caller's), a sliding window
-shorter than the sequence (the prefix must stay inside every row's window), no prefix worth
-sharing under the config's rule.
+Falls back to the ordinary path (returns None) where sharing does not apply: the generate features
+that keep the prefix per row (`hshare.generate_features`: beams, assisted decoding, ``inputs_embeds``,
+a streamer, ``output_hidden_states``), a sliding window shorter than the sequence (the prefix must
+stay inside every row's window), no prefix worth sharing under the config's rule.
 
 Sparse configs share under the same rule as dense ones: the prefix stays exact and the HShare
-budget applies to each row's own tokens. Measured on the H100 (``benchmarks/RESULTS.md``), the
-exact shared prefix + own part was faster than treating the prefix as part of every row's sparse
-context (ds and 1/2-1/2-1/2, N_c = n/8) at every batch from 2 to 256 and prefix of 2k and 8k
-tokens; below the rule's threshold the unshared step runs dense anyway (the dense fallback).
+budget applies to each row's own tokens (faster than a sparse prefix in every measured shape:
+``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
 from hshare import compat
 from hshare.cache import HShareCache
+from hshare.generate_features import generation_setting, unshared_reason
 from hshare.prefix import build_layout, detect_shared_prefix, unpadded_prompts
 from hshare.prefix_store import PrefixLevel, PrefixStore
-
-
-def generation_setting(model, kwargs: dict, name: str) -> Any:
-    """A generate setting: the call's keyword, else its generation config's, else the model's."""
-    config = kwargs.get("generation_config") or model.generation_config
-    return kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
 
 
 def _prompt_mask(model, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -66,9 +55,7 @@ def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple
     config = cache.config
     input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if (not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point()
-            or kwargs.get("inputs_embeds") is not None or kwargs.get("assistant_model") is not None
-            or kwargs.get("streamer") is not None or generation_setting(model, kwargs, "output_hidden_states")
-            or (generation_setting(model, kwargs, "num_beams") or 1) > 1 or len(args) > 1):
+            or len(args) > 1 or unshared_reason(model, kwargs) is not None):
         return None
     repeats = generation_setting(model, kwargs, "num_return_sequences") or 1
     prompt_mask = _prompt_mask(model, input_ids, kwargs)

@@ -53,14 +53,14 @@ from hshare.cache import HShareCache
 from hshare.counters import DecodeStats
 from hshare.elementwise_fusion import ElementwiseFusion
 from hshare.graphs import StepGraphs
-from hshare.shared_generate import generation_setting, uniform_sliding_window
+from hshare.generate_features import eager_reason, generation_setting
+from hshare.shared_generate import uniform_sliding_window
 
 # Static shapes off CUDA (no graphs: every step runs eagerly on the static buffers). Only tests turn
 # it on: it is the CPU check that static-shape decode gives eager decode's tokens.
 STATIC_ON_CPU = False
 
 _STEP_INPUTS = ("input_ids", "position_ids", "cache_position")  # per-step tensors copied into static buffers
-_EAGER_ONLY = ("output_attentions", "output_hidden_states")
 # per model: the step signatures (`warm_signature`) this process has run eagerly and captured
 _WARMED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -131,13 +131,9 @@ def static_decode_unsupported(model, cache: HShareCache, kwargs: dict) -> str | 
     if (getattr(model, "tp_size", None) or 1) > 1:  # a rank failing a capture would leave the others waiting
         return (f"tensor parallelism (tp_size={model.tp_size}): capture of the model's collectives in CUDA graphs "
                 "is not yet tested on several GPUs")
-    if (generation_setting(model, kwargs, "num_beams") or 1) > 1:
-        return "beam search reorders the cache every step"
-    if kwargs.get("assistant_model") is not None or generation_setting(model, kwargs, "prompt_lookup_num_tokens"):
-        return "assisted decoding feeds several tokens per step"
-    for name in _EAGER_ONLY:
-        if generation_setting(model, kwargs, name):
-            return f"{name}=True needs the eager forward"
+    reason = eager_reason(model, kwargs)
+    if reason is not None:
+        return reason
     if cache.get_seq_length():
         return "the cache given to generate already holds tokens"
     return None

@@ -25,4 +25,10 @@ class ArchitectureAdapter:
         return sorted(modules, key=lambda m: m.layer_idx)
 
     def head_dim(self, config) -> int:
-        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return head_dim(config)
+
+
+def head_dim(config) -> int:
+    """The size of an attention head: ``config.head_dim`` where the architecture sets one (Gemma, Qwen3 may
+    differ from hidden / heads), else ``hidden_size // num_attention_heads``. The one place hshare derives it."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from hshare import patches
 from hshare.bench import multi_gpu
 from hshare.bench.multi_gpu import Placement
 from hshare.bench.results import environment, write
@@ -177,7 +178,7 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
     decode, prefill, total = sorted(pairs)[(len(pairs) - 1) // 2]  # the median pair (the lower of two middles)
     new = out[:, width:]
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = patches.head_dim(cfg)
     steps = {}
     if patched:  # the cache sized its buffers from the heads this process's attention received
         cache = caches[-1]
