@@ -35,7 +35,7 @@ PLANNERS = ("greedy", "random")
 LABEL_BITS = (4, 8, 16)
 PREFIX_MODES = ("auto", "on", "off")
 POLICIES = ("labels", "quest")
-DEFAULT_DENSE_FALLBACK_MIB = 768.0  # H100, eager decode: the sparse step loses below ~0.5-1 GiB per layer (RESULTS.md)
+DEFAULT_DENSE_FALLBACK_MIB = 768.0  # on CUDA: per-layer KV below which an eager sparse step loses to dense
 
 
 class ConfigError(ValueError):
@@ -90,8 +90,8 @@ class HShareConfig:
             chosen from the middle window extended by the a - 1 tokens that will leave the local
             window before the next selection. False = the paper's code: a reuse step's local
             window has moved on, and the tokens that left it were never candidates, so nobody
-            attends them until the next selection. Same work either way; measured neutral on
-            SmolLM2 (fidelity KL at 2k and 8k within 2%, eval/RESULTS.md), so off by default.
+            attends them until the next selection. Same work either way; off by default (its
+            fidelity: eval/RESULTS.md).
         dense_layers: layers kept dense at decode (not sparse, not in the layer plan).
         policy: the selection policy (`hshare.policy`): what metadata a sparse layer keeps and how it
             scores tokens. "labels" (DoubleSparse / HShare: label cache of heavy channels) or "quest"
@@ -115,22 +115,19 @@ class HShareConfig:
         seed: seed of the random planner.
         dense_fallback_mib: decode steps whose per-layer KV (rows x tokens x K and V) is below this
             many MiB run exact dense attention: there the sparse path's kernel launches cost more
-            than reading all keys (measured on the H100 in eager mode, ``benchmarks/RESULTS.md``;
-            lower it when the decode step runs as a CUDA graph). None = auto: 768 on CUDA, 0
-            elsewhere.
+            than reading all keys (the crossover: ``benchmarks/RESULTS.md``). None = auto: 768 on
+            CUDA, 0 elsewhere.
         prefix: shared-prefix attention inside ``generate`` (Hydragen): "auto" stores a prompt
             prefix shared by the rows once when it pays (at least `prefix_min_tokens` shared
             tokens, `prefix_min_batch` rows sharing them and `prefix_min_saved_tokens` token reads
-            saved per step; the same rule for sparse configs, measured faster than a sparse prefix),
+            saved per step; the same rule for sparse configs),
             "on" whenever any prefix is shared (the KV memory saving alone), "off" never.
         prefix_min_tokens: shortest prefix (level 1) or group extension (level 2) stored once.
         prefix_min_batch: fewest rows that must share a level for "auto" to store it once.
         prefix_min_saved_tokens: fewest KV token reads per layer and step, (rows - 1) x shared
-            tokens, a level must save for "auto". Measured on the H100 (RESULTS.md runs 18-20,
-            GQA 32/8): the eager decode op is host-bound below about 130k saved tokens (8k: 0.15x
-            of dense) and faster above (129k: 2.1x; 520k: 2.6x); 64 samples of a 4k prompt (258k)
-            decode at 0.93x of unpatched end to end with a 22x faster prefill. A CUDA graph is
-            faster from 4k (1.3x). The memory saving holds at any size: ``prefix="on"`` takes it.
+            tokens, a level must save for "auto" (below it the shared step is slower than per-row
+            dense: ``benchmarks/RESULTS.md``). The memory saving holds at any size: ``prefix="on"``
+            takes it.
         prefix_levels: 1 (one prefix for all rows) or 2 (plus groups of rows sharing more, e.g. the
             samples of each question after a common few-shot prefix).
         cuda_graphs: on CUDA, ``generate`` decodes with static shapes (buffers sized once for the

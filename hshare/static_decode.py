@@ -1,8 +1,8 @@
 """Static-shape decode inside ``generate``, each kind of step replayed as a CUDA graph.
 
 Eager decode of a 7B model launches hundreds of kernels a step; the HShare step adds selection
-and gather kernels per layer, so ``generate`` is bound by the host (about 50 ms a step against
-under 10 ms of GPU work, issue 12). This module removes the host from the step:
+and gather kernels per layer, so eager ``generate`` is bound by the host. This module removes the
+host from the step:
 
 1. **Static shapes.** The cache's buffers are reserved once at their final size (the own prompt
    plus ``max_new_tokens`` - 1: `reserved_columns`) before prefill, and decode sees them whole
