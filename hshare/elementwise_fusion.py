@@ -4,8 +4,8 @@ A decode step of a Llama-family layer launches about 25 small elementwise kernel
 matmuls and attention: the two RMSNorms (upcast, square, mean, rsqrt, scale, downcast, weight),
 the rotary embedding of the query and key (products, ``rotate_half``'s slices, negation and
 concatenation, sum) and the MLP's activation times its up projection. Replayed one by one from a
-CUDA graph they cost about 75 us a layer on an H100 at batch 16 (issue 12's profile), 2.4 ms of a
-32-layer step. transformers' ``StaticCache`` path fuses them because ``generate`` compiles the
+CUDA graph they add a launch each (their cost: ``benchmarks/RESULTS.md``, the decode-step profile).
+transformers' ``StaticCache`` path fuses them because ``generate`` compiles the
 whole forward; hshare captures its own step (`hshare.static_decode` says why), so it compiles only
 these pieces, through the model's own code:
 

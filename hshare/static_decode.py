@@ -26,8 +26,8 @@ host from the step:
 Why our own capture and not ``torch.compile`` (transformers' route for ``StaticCache``): the step's
 kind is host control flow (a compiled forward would guard on it and recompile or need the plan in
 data-dependent form), the Triton kernels would need ``torch.library`` wrappers, and compiling a
-7B forward takes tens of seconds per shape while capture takes milliseconds per kind (both
-measured by ``hshare bench generate``). Capture needs nothing from the model but a forward without
+7B forward takes tens of seconds per shape while capture takes milliseconds per kind (``hshare
+bench generate`` reports both). Capture needs nothing from the model but a forward without
 host syncs, so any architecture the patch supports gets it.
 
 Where static decode does not apply, ``generate`` decodes eagerly (same tokens) and

@@ -1,7 +1,7 @@
 """Triton heavy-token top-k: one program per (row, head) score row, the whole row in registers.
 
 Twin of `heavy_topk.select_heavy_torch`. ``torch.topk`` on a decode step's ``[B * H, n]`` scores is
-a multi-block radix select of five kernels (about 45 us at B16, 16 heads, n 4352 on an H100); here
+a multi-block radix select of five kernels; here
 one program finds its row's k-th largest score by a 32-step bisection of the scores' order-preserving
 integer keys (each step one comparison and one block sum over the row held in registers), then
 writes the columns above it, and the first columns equal to it, in ascending column order (a block
@@ -88,4 +88,4 @@ def select_heavy_triton(scores: torch.Tensor, selectable: torch.Tensor, heavy: i
 
 def default_warps(block: int) -> int:
     """Warps of a program holding `block` columns (`benchmarks/tune_kernels.py topk`)."""
-    return max(4, min(16, block // 1024))  # H100, n 4352 (block 8192): 8 warps 38.7 us, 4: 69.6, 16: 42.5
+    return max(4, min(16, block // 1024))
