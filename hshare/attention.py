@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from hshare import prefill_metadata
 from hshare.cache import HShareCache, HShareLayer
 from hshare.heads import head_shard
-from hshare.kernels import attention_with_lse, dense_decode_attention, gather_attention, merge_attention_states
+from hshare.kernels import attention_with_lse, gather_attention, merge_attention_states, split_decode_attention
 from hshare.selection import NO_TOKEN, select_heavy, valid_columns_from_mask
 from hshare.sparse_prefill import sparse_prefill_attention
 
@@ -121,12 +121,14 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
 def _dense_decode(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float, scaling: float, **kwargs):
-    """Exact dense attention of a decode step: ``[B, 1, Hq, d]``, None. Under a mask (padding, a window,
-    static shapes) a GQA model's keys and values are read once (`hshare.kernels.dense_decode_attention`);
-    otherwise transformers' SDPA function, which reads them once itself when no mask is given
-    (``enable_gqa``), and handles dropout in training and masks that differ by head."""
-    if dropout == 0.0 and attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1:
-        return dense_decode_attention(query, key, value, attention_mask, scaling), None
+    """Exact dense attention of a decode step: ``[B, 1, Hq, d]``, None. With no mask or a key mask shared by
+    the heads (padding, a window, static shapes), `hshare.kernels.split_decode_attention`: a GQA model's
+    keys and values read once, the keys split over the GPU's SMs (few rows at long context fill it) and
+    merged by LSE. Otherwise (dropout, a float mask or one per head) transformers' SDPA function."""
+    if dropout == 0.0 and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.dim() == 4
+                                                      and attention_mask.shape[1] == 1)):
+        valid = None if attention_mask is None else attention_mask[:, 0, 0, : key.shape[2]]
+        return split_decode_attention(query[:, :, 0], key, value, valid, scaling)[:, None], None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from .channel_statistic import channel_statistic, channel_statistic_torch
 from .critical_indices import NO_TOKEN, critical_indices, critical_indices_torch
-from .dense_decode import dense_decode_attention
 from .heavy_topk import select_heavy, select_heavy_torch
 from .gather_attention import gather_attention, gather_attention_torch
 from .labels import append_labels, decode_label_scores, dequantize_labels, label_scores, label_storage_dtype, \
@@ -16,11 +15,11 @@ from .merge import merge_attention_splits, merge_attention_states
 from .prefix_attention import attention_with_lse, attention_with_lse_torch, shared_prefix_attention, \
     shared_prefix_decode_states
 from .shared_decode import PrefixKV, shared_decode_attention, shared_decode_attention_torch
+from .split_decode import split_decode_attention, split_decode_attention_torch
 
 __all__ = [
     "channel_statistic",
     "channel_statistic_torch",
-    "dense_decode_attention",
     "NO_TOKEN",
     "PrefixKV",
     "critical_indices",
@@ -45,4 +44,6 @@ __all__ = [
     "shared_decode_attention",
     "shared_decode_attention_torch",
     "shared_prefix_decode_states",
+    "split_decode_attention",
+    "split_decode_attention_torch",
 ]

@@ -1,6 +1,6 @@
 """Which implementation of a hot operation runs: the Triton kernel or its plain-PyTorch twin.
 
-CUDA tensors go to the Triton kernels, everything else to the twins. ``HSHARE_KERNELS=torch``
+CUDA tensors go to the Triton kernels (float64 excepted), everything else to the twins. ``HSHARE_KERNELS=torch``
 forces the twins, ``HSHARE_KERNELS=triton`` the kernels (on CPU with ``TRITON_INTERPRET=1``).
 """
 
@@ -20,8 +20,10 @@ def kernel_mode() -> str:
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s operation runs the Triton kernel: CUDA tensors of the kernels' dtypes (fp16, bf16,
+    fp32); float64, which they do not compute, runs the twin (exact) wherever it lives."""
     mode = kernel_mode()
-    return mode == "triton" or (mode == "auto" and tensor.is_cuda)
+    return mode == "triton" or (mode == "auto" and tensor.is_cuda and tensor.dtype != torch.float64)
 
 
 def use_fused(tensor: torch.Tensor) -> bool:

@@ -67,7 +67,7 @@ def prefix_split_program(
 
 
 @triton.jit
-def _prefix_attention_split(
+def prefix_attention_split(
     q_ptr, k_ptr, v_ptr, members_ptr, valid_ptr, part_out_ptr, part_lse_ptr,
     scale_log2, width, length, tiles_per_split, num_splits,
     s_qb, s_qh, s_kg, s_kh, s_kn, s_vg, s_vh, s_vn, s_mg, s_valid,
@@ -165,7 +165,7 @@ def shared_prefix_decode_states_triton(query: torch.Tensor, keys: torch.Tensor, 
     override the launch configuration (benchmark sweeps)."""
     launch = plan_prefix(query, keys, values, scale, members, key_valid, block_m, block_n, splits)
     part_out, part_lse = new_parts(query, launch.num_splits, launch.rows_outside)
-    _prefix_attention_split[launch.grid](
+    prefix_attention_split[launch.grid](
         *launch.tensors, part_out, part_lse, *launch.scalars, launch.num_splits, *launch.strides,
         **launch.constexprs, **launch_options(num_warps, num_stages or (launch.num_stages if query.is_cuda else None)),
     )

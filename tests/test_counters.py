@@ -91,7 +91,7 @@ class ReadCounter:
     def __init__(self, monkeypatch):
         self.rows = 0
         sdpa, gather = attention_module.sdpa_attention_forward, attention_module.gather_attention
-        dense = attention_module.dense_decode_attention
+        dense = attention_module.split_decode_attention
 
         def count_dense(query, key, attention_mask):
             if query.shape[2] == 1 and key.shape[2] > 1:
@@ -102,16 +102,16 @@ class ReadCounter:
             count_dense(query, key, attention_mask)
             return sdpa(module, query, key, value, attention_mask, **kwargs)
 
-        def counting_dense(query, key, value, mask, scaling):
-            count_dense(query, key, mask)
-            return dense(query, key, value, mask, scaling)
+        def counting_dense(query, key, value, valid, scale):
+            count_dense(query[:, :, None], key, None if valid is None else valid[:, None, None, :])
+            return dense(query, key, value, valid, scale)
 
         def counting_gather(query, keys, values, indices, scale, partial=None):
             self.rows += int((indices >= 0).sum())
             return gather(query, keys, values, indices, scale, partial)
 
         monkeypatch.setattr(attention_module, "sdpa_attention_forward", counting_sdpa)
-        monkeypatch.setattr(attention_module, "dense_decode_attention", counting_dense)
+        monkeypatch.setattr(attention_module, "split_decode_attention", counting_dense)
         monkeypatch.setattr(attention_module, "gather_attention", counting_gather)
 
 

@@ -272,11 +272,13 @@ def test_cli_runs_end_to_end(tmp_path, monkeypatch, capsys):
         "--steps", "4", "--device", "cpu", "--set", "heavy=6", "--set", "local=4", "--out", str(tmp_path / "out")])
     assert args.run(args) == 0
     out = capsys.readouterr().out
-    assert "| config | agree 32 | KL 32 | agree 48 | KL 48 |" in out and "| dense | 1.000 | 0 | 1.000 | 0 |" in out
+    assert "| config | agree 32 | KL 32 | agree 48 | KL 48 |" in out and "| dense | 1.000 | " in out
     assert loaded == {"pretrained": None, "dtype": "auto", "device": "cpu"}
     data = json.loads((tmp_path / "out" / "fidelity.json").read_text())
     assert [(r["config"], r["length"], r["budget"]) for r in data] == [
         ("dense", 32, None), ("dense", 48, None), ("ds", 32, 18), ("ds", 48, 18)]
+    # dense is exact: its KL is rounding (it sums a GQA head's keys in another order than transformers on CPU)
+    assert all(r["kl"] < 1e-12 for r in data if r["config"] == "dense")
     assert patch_state(model) is None
 
     args.lengths = [1021]

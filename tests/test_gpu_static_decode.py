@@ -36,15 +36,32 @@ def _batch(lengths, device="cuda"):
     return ids.to(device), mask.to(device)
 
 
+def assert_equal_but_near_ties(out: torch.Tensor, reference, width: int) -> None:
+    """Greedy tokens `out` equal the reference's (a ``return_dict_in_generate`` output with logits) in each
+    row up to a step whose reference logits have a near-tie at the top (16-bit rounding may order such a
+    pair either way: hshare's split-KV kernel and transformers' SDPA sum the keys in another order)."""
+    logits = torch.stack(reference.logits, 1).float()  # [B, T, V]
+    top2 = logits.topk(2, dim=-1).values
+    gaps = top2[..., 0] - top2[..., 1]
+    for row in range(out.shape[0]):
+        differ = (out[row, width:] != reference.sequences[row, width:]).nonzero()
+        if len(differ):
+            step = int(differ[0])
+            assert gaps[row, step] <= 3e-2 * logits[row, step].abs().max(), f"row {row} differs at step {step}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [[40, 40, 40], [40, 23, 31, 9]])
 def test_dense_graphs_equal_unpatched(dtype, lengths):
     model = tiny_llama(dtype=dtype).cuda()
     ids, mask = _batch(lengths)
-    reference = _generate(model, ids, mask, new_tokens=12)
+    reference = _generate(model, ids, mask, new_tokens=12, output_logits=True, return_dict_in_generate=True)
     out, cache = _run(model, "dense", ids, mask, static=True, new_tokens=12, prefix="off", **UNFUSED)
     assert cache.static_decode.reason == "" and cache.static_decode.graphed_steps >= 9
-    assert torch.equal(out, reference)
+    if dtype == torch.float32:
+        assert torch.equal(out, reference.sequences)
+    else:
+        assert_equal_but_near_ties(out, reference, ids.shape[1])
 
 
 @pytest.mark.parametrize("preset", ["ds", "hshare-1_2-1_2-1_2", "hshare-7_8-3_4-1_2", "streaming", "quest",
