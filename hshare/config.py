@@ -282,6 +282,19 @@ class HShareConfig:
                 f"accepted: 1..{head_dim}"
             )
 
+    def with_budget(self, budget: int) -> "HShareConfig":
+        """This config at N_c = `budget` critical tokens (``"<preset>@<N_c>"`` names and the ``budget=``
+        override): sink ``min(16, N_c // 16)``, local ``min(64, N_c // 4)`` and the rest heavy; a config
+        that scores nothing (``heavy = 0``, StreamingLLM) keeps the rest local. At N_c = 128 this is the
+        base presets' 8 + 32 + 88, at 512 the ``@512`` presets' 16 + 64 + 432, at 2048 16 + 64 + 1968: a
+        long context gains heavy tokens, chosen by score, while sink and local stay small."""
+        budget = _int("budget", budget, 2)
+        sink = min(16, budget // 16)
+        if self.heavy == 0:
+            return self.replace(sink=sink, local=budget - sink)
+        local = min(64, budget // 4)
+        return self.replace(sink=sink, local=local, heavy=budget - sink - local)
+
     def replace(self, **changes: Any) -> "HShareConfig":
         """A copy with some fields changed (validated); unknown field names raise `ConfigError`."""
         _check_field_names(changes)
@@ -308,10 +321,19 @@ class HShareConfig:
 
     @classmethod
     def from_preset(cls, name: str) -> "HShareConfig":
+        """A preset by name: a file of ``configs/presets``, or ``"<preset>@<N_c>"``, the preset at that
+        budget (`with_budget`), e.g. ``"hshare-1_2-1_2-1_2@2048"`` for long contexts."""
         path = preset_dir() / f"{name}.yaml"
-        if not path.is_file():
-            raise ConfigError(f"unknown preset {name!r}; accepted: {', '.join(preset_names())} (or a YAML path)")
-        return cls.from_yaml(path)
+        if path.is_file():
+            return cls.from_yaml(path)
+        base, at, size = name.partition("@")
+        if at and (preset_dir() / f"{base}.yaml").is_file():
+            if not size.isdigit():
+                raise ConfigError(f"preset {name!r}: the budget after '@' is {size!r}; accepted: a number of critical "
+                                  f"tokens, e.g. {base}@2048")
+            return dataclasses.replace(cls.from_yaml(preset_dir() / f"{base}.yaml").with_budget(int(size)), name=name)
+        raise ConfigError(f"unknown preset {name!r}; accepted: {', '.join(preset_names())}, any of them at another "
+                          "budget as '<preset>@<N_c>' (e.g. hshare-1_2-1_2-1_2@2048), or a YAML path")
 
 
 def _check_field_names(names) -> None:
@@ -330,12 +352,23 @@ def preset_dir() -> Path:
     return Path(str(resources.files("hshare.configs"))) / "presets"
 
 
+NAMED_BUDGETS = (512, 1024, 2048, 4096)  # the sparse presets are also listed at these N_c ("<preset>@<N_c>")
+
+
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in preset_dir().glob("*.yaml"))
+    """The preset files' names, and each sparse preset at `NAMED_BUDGETS` (any other N_c resolves too)."""
+    names = []
+    for name in sorted(p.stem for p in preset_dir().glob("*.yaml")):
+        names.append(name)
+        if HShareConfig.from_yaml(preset_dir() / f"{name}.yaml").sparse:
+            names += [f"{name}@{budget}" for budget in NAMED_BUDGETS]
+    return names
 
 
 def resolve_config(config: "HShareConfig | str | os.PathLike | None", **overrides: Any) -> HShareConfig:
-    """A config object, a preset name, or a YAML path -> `HShareConfig` (with field overrides)."""
+    """A config object, a preset name, or a YAML path -> `HShareConfig` (with field overrides; ``budget=N_c``
+    resizes it first, `HShareConfig.with_budget`, and explicit ``sink``/``local``/``heavy`` win over it)."""
+    budget = overrides.pop("budget", None)
     if config is None:
         config = "hshare-1_2-1_2-1_2"
     if isinstance(config, HShareConfig):
@@ -353,4 +386,6 @@ def resolve_config(config: "HShareConfig | str | os.PathLike | None", **override
             f"config = {config!r} has type {type(config).__name__}; accepted: an HShareConfig, a preset name "
             f"({', '.join(preset_names())}) or a YAML path"
         )
+    if budget is not None:
+        resolved = resolved.with_budget(budget)
     return resolved.replace(**overrides) if overrides else resolved

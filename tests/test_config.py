@@ -21,6 +21,37 @@ def test_presets_load_with_paper_budgets():
     assert (big.layer_sharing, big.head_sharing, big.query_group) == (0.875, 0.75, 2)
 
 
+@pytest.mark.parametrize("budget,split", [(128, (8, 32, 88)), (512, (16, 64, 432)), (1024, (16, 64, 944)),
+                                          (2048, (16, 64, 1968)), (4096, (16, 64, 4016)), (40, (2, 10, 28))])
+def test_a_budget_by_name_keeps_the_preset_and_splits_sink_local_heavy(budget, split):
+    for base in ("ds", "hshare-1_2-1_2-1_2", "hshare-7_8-3_4-1_2", "quest", "random-1_2-1_2-1_2"):
+        plain = HShareConfig.from_preset(base)
+        sized = HShareConfig.from_preset(f"{base}@{budget}")
+        assert (sized.sink, sized.local, sized.heavy) == split and sized.budget == budget
+        assert sized.name == f"{base}@{budget}"
+        assert sized.replace(sink=plain.sink, local=plain.local, heavy=plain.heavy) == plain  # nothing else moved
+    streaming = HShareConfig.from_preset(f"streaming@{budget}")  # no scoring: the rest is local
+    assert (streaming.sink, streaming.local, streaming.heavy) == (split[0], budget - split[0], 0)
+    assert resolve_config("ds", budget=budget) == HShareConfig.from_preset(f"ds@{budget}")
+
+
+def test_a_budget_override_yields_to_explicit_windows_and_names_are_listed():
+    config = resolve_config("hshare-1_2-1_2-1_2", budget=2048, heavy=1000)
+    assert (config.sink, config.local, config.heavy) == (16, 64, 1000)
+    names = hshare.preset_names()
+    assert {"hshare-1_2-1_2-1_2@2048", "ds@4096", "quest@1024", "streaming@512"} <= set(names)
+    assert not any(name.startswith("dense@") for name in names)
+    for name in names:
+        assert HShareConfig.from_preset(name).name == name
+
+
+@pytest.mark.parametrize("name,words", [("ds@lots", "budget after '@'.*accepted"), ("nope@512", "unknown preset"),
+                                        ("ds@1", "budget.*out of range")])
+def test_a_bad_budget_name_is_refused_naming_it(name, words):
+    with pytest.raises(ConfigError, match=words):
+        HShareConfig.from_preset(name)
+
+
 @pytest.mark.parametrize("field,value,words", [
     ("sink", -1, "sink"), ("local", 0, "local"), ("heavy", 1.5, "heavy"),
     ("label_bits", 3, "label_bits"), ("label_channels", 0, "label_channels"),

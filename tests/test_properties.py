@@ -34,7 +34,7 @@ from hshare.prefix import build_layout, detect_shared_prefix
 from hshare.quest import pages_for
 from hshare.selection import NO_TOKEN, RowWindows, nth_valid_columns, select_heavy
 
-PRESETS = hshare.preset_names()
+PRESETS = [name for name in hshare.preset_names() if not name.endswith(("@1024", "@2048", "@4096"))]  # tiny contexts
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: the GPU, else the interpreter
 
 
