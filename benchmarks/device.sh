@@ -48,8 +48,11 @@ for part in "$@"; do
       bench 500 "${LLAMA2[@]}" --paths "${LLAMA2_PATHS:-static,dense,hshare-1_2-1_2-1_2@512,ds@512}" ;;
     unfused)
       mkdir -p /tmp/unfused
-      for preset in dense hshare-1_2-1_2-1_2@512; do
-        { cat "configs/presets/$preset.yaml"; echo "compile_elementwise: false"; } > "/tmp/unfused/$preset.yaml"
+      for preset in dense hshare-1_2-1_2-1_2@512; do  # the preset's fields with compile_elementwise off, as YAML
+        python3 -c "import dataclasses, sys, yaml; from hshare.config import resolve_config
+fields = dataclasses.asdict(resolve_config(sys.argv[1], compile_elementwise=False)); fields.pop('name')
+print(yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}))" "$preset" \
+          > "/tmp/unfused/$preset.yaml"
       done
       bench 500 "${LLAMA2[@]}" --paths \
         static,dense,hshare-1_2-1_2-1_2@512,/tmp/unfused/dense.yaml,/tmp/unfused/hshare-1_2-1_2-1_2@512.yaml ;;
