@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = commands.add_parser("demo", help="GSM8K on the embedded SmolLM2-135M-Instruct: dense vs presets")
     demo.add_argument("--data-dir", help="directory with gsm8k/test.jsonl (default: 8 built-in questions)")
-    demo.add_argument("--questions", type=int, default=8, help="batch size (default 8)")
-    demo.add_argument("--new-tokens", type=int, default=48, help="tokens to generate (default 48)")
+    demo.add_argument("--questions", type=int, default=6, help="batch size (default 6)")
+    demo.add_argument("--new-tokens", type=int, default=40, help="tokens to generate (default 40)")
     demo.add_argument("--presets", help="comma-separated presets (default: dense and the paper's presets)")
     demo.add_argument("--threads", type=int, help="torch CPU threads")
     demo.set_defaults(run=_demo)

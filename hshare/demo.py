@@ -149,7 +149,7 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def run_demo(data_dir: str | None = None, questions: int = 8, new_tokens: int = 48,
+def run_demo(data_dir: str | None = None, questions: int = 6, new_tokens: int = 40,
              presets: tuple[str, ...] = DEMO_PRESETS, threads: int | None = None) -> list[RunResult]:
     if threads:
         torch.set_num_threads(threads)
