@@ -33,6 +33,30 @@ def tiny_mistral(sliding_window: int | None = 24, dtype=torch.float32, seed: int
     return MistralForCausalLM(config).to(dtype).eval()
 
 
+def randomize_zeroed_weights(model):
+    """Random projection biases (the initializer zeroes them) and a nonzero pad-token embedding: once
+    generated, a zero embedding gives all-zero (Qwen3, Phi-3) queries, every label score tied, and a
+    top-k that breaks ties by column (a padded row would differ from itself alone)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                torch.nn.init.normal_(module.bias, std=0.2)
+        model.get_input_embeddings().weight[0].normal_(std=0.02)
+    return model
+
+
+def letter_tokenizer(padding_side: str = "right"):
+    """An offline tokenizer of single letters and spaces (ids 3-29; pad / bos / eos 0-2) for pipelines."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{chr(97 + i): 3 + i for i in range(26)}, " ": 29}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   padding_side=padding_side)
+
+
 def left_padded(lengths: list[int], generator: torch.Generator | None = None):
     """Random prompts of the given lengths, left-padded: (input_ids, attention_mask)."""
     width = max(lengths)

@@ -16,7 +16,7 @@ import hshare
 from hshare.patches import ADAPTERS, ArchitectureAdapter, UnsupportedModelError, register
 from hshare.selection import NO_TOKEN
 
-from conftest import VOCAB, assert_rows_equal_alone, greedy, left_pad, left_padded
+from conftest import VOCAB, assert_rows_equal_alone, greedy, left_pad, left_padded, randomize_zeroed_weights
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12, far below the prompts used here
 WIDE = dict(sink=2, local=4, heavy=400)  # N_c above every context here
@@ -58,15 +58,7 @@ def tiny(model_type, dtype=torch.float32, seed=0, windowed=False, **config):
     config_class, model_class, layers, defaults, window = MODELS[model_type]
     torch.manual_seed(seed)
     config = {**SHAPE, "num_hidden_layers": layers, **defaults, **(window if windowed else {}), **config}
-    model = model_class(config_class(**config)).to(dtype).eval()
-    for module in model.modules():  # random projection biases (the initializer zeroes them)
-        if isinstance(module, torch.nn.Linear) and module.bias is not None:
-            torch.nn.init.normal_(module.bias, std=0.2)
-    # the pad token's embedding is zero: once generated, it would give all-zero (Qwen3, Phi-3) queries,
-    # every label score tied, and a top-k that breaks ties by column (a padded row differs from itself alone)
-    with torch.no_grad():
-        model.get_input_embeddings().weight[0].normal_(std=0.02)
-    return model
+    return randomize_zeroed_weights(model_class(config_class(**config)).to(dtype).eval())
 
 
 def generate_with_logits(model, ids, mask, new_tokens=10, **kwargs):

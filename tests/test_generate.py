@@ -6,7 +6,7 @@ import torch
 import hshare
 from hshare.selection import NO_TOKEN
 
-from conftest import assert_rows_equal_alone, greedy, left_padded, tiny_llama, tiny_mistral
+from conftest import assert_rows_equal_alone, greedy, left_padded, letter_tokenizer, tiny_llama, tiny_mistral
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12, far below the prompts used here
 WIDE = dict(sink=2, local=4, heavy=400)  # N_c above every context here
@@ -208,14 +208,9 @@ def test_memory_accounting():
 
 
 def test_pipeline_text_generation():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, pipeline
+    from transformers import pipeline
 
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{chr(97 + i): 3 + i for i in range(26)}, " ": 29}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
-                                        eos_token="</s>")
+    tokenizer = letter_tokenizer()
     model = tiny_llama()
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
     prompt = "the quick brown fox jumps over the lazy dog " * 2

@@ -21,7 +21,7 @@ from transformers.generation.streamers import BaseStreamer
 import hshare
 from hshare import compat
 
-from conftest import VOCAB, left_padded
+from conftest import VOCAB, left_padded, letter_tokenizer, randomize_zeroed_weights
 
 NEW = 8
 WIDE = dict(sink=2, local=4, heavy=400)  # N_c above every context here: sparse decode must be exact
@@ -49,13 +49,7 @@ def one_thread():
 def tiny(architecture: str, seed: int = 0):
     config_class, model_class, extra = ARCHITECTURES[architecture]
     torch.manual_seed(seed)
-    model = model_class(config_class(**SHAPE, **extra)).to(torch.float64).eval()
-    with torch.no_grad():
-        for module in model.modules():  # random projection biases (the initializer zeroes them)
-            if isinstance(module, torch.nn.Linear) and module.bias is not None:
-                torch.nn.init.normal_(module.bias, std=0.2)
-        model.get_input_embeddings().weight[0].normal_(std=0.02)  # a generated pad token is not all-zero
-    return model
+    return randomize_zeroed_weights(model_class(config_class(**SHAPE, **extra)).to(torch.float64).eval())
 
 
 @pytest.fixture(params=sorted(ARCHITECTURES))
@@ -226,14 +220,9 @@ def test_a_cache_passed_under_either_spelling_equals_unpatched(architecture, con
 
 
 def test_pipeline_equals_unpatched(architecture, config):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, pipeline
+    from transformers import pipeline
 
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{chr(97 + i): 3 + i for i in range(26)}, " ": 29}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
-                                        eos_token="</s>", padding_side="left")
+    tokenizer = letter_tokenizer(padding_side="left")
     model = tiny(architecture)
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
     prompts = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen jugs"]
