@@ -1,8 +1,9 @@
 """hshare: faster decoding for HuggingFace transformers.
 
-``hshare.patch(model)`` makes a Llama or Mistral model decode with HShare hierarchical sparse
-attention (critical tokens chosen on a label cache, shared across layers, heads and adjacent
-steps). See README.md.
+``hshare.patch(model)`` makes a supported causal LM (`hshare.patches`) decode with HShare
+hierarchical sparse attention (critical tokens chosen cheaply by a selection policy, shared across
+layers, heads and adjacent steps) and hold a prompt prefix shared by the rows once (Hydragen).
+See README.md.
 """
 
 from hshare.api import new_cache, patch, patched, unpatch

@@ -8,8 +8,10 @@ Patching (transformers 5.x attention interface, no forward replacement):
 3. adds a forward pre-hook on each attention module that hands the layer the generation's
    `HShareCache` (the cache is not among the attention function's kwargs); on the model, a forward
    pre-hook that takes the cache under either spelling (``cache=``, ``past_key_values=``:
-   `hshare.compat`) and refuses ``output_attentions``, and a forward hook that builds the sparse
-   layers' prefill metadata once a forward is done (`HShareCache.finish_prefill`);
+   `hshare.compat`) and refuses ``output_attentions``, and a forward hook that ends a forward over
+   an `HShareCache` (the sparse layers' prefill metadata once the forward's activations are freed,
+   the step's host counters); on the decoder (``model.base_model``), a forward pre-hook that plans
+   each forward before its first layer (`hshare.step`);
 4. wraps the instance's ``generate`` so that every call gets a fresh `HShareCache` (unless the
    caller passes a cache), which holds all state of that generation, and so that a prompt prefix
    shared by the rows is detected, prefilled once and held once (`hshare.shared_generate`).
@@ -77,14 +79,25 @@ def _before_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[
     return args, kwargs
 
 
-def _finish_prefill(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    """After a forward of the model: the sparse layers' prefill metadata, now that the forward's
-    activations are freed (`HShareCache.finish_prefill`)."""
+def _begin_forward(decoder: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Before the decoder's first layer, over an `HShareCache`: the forward planned (`StepPlanner.begin_forward`)."""
+    cache = compat.cache_from(kwargs)
+    if isinstance(cache, HShareCache):
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        cache.planner.begin_forward(cache, tokens.shape[1], kwargs.get("attention_mask"))
+    return args, kwargs
+
+
+def _after_forward(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """After a forward of the patched model over an `HShareCache`: the sparse layers' prefill metadata, now
+    that the forward's activations are freed, and the step's host counters (`StepPlanner.end_forward`)."""
     cache = compat.cache_from(kwargs)
     if cache is None:
         cache = compat.output_cache(output)
     if isinstance(cache, HShareCache):
-        cache.finish_prefill()
+        cache.planner.end_forward(cache)
 
 
 def new_cache(model) -> HShareCache:
@@ -228,7 +241,8 @@ def patch(model, config: HShareConfig | str | os.PathLike | None = None, **overr
     model.set_attn_implementation(ATTENTION_NAME)
     hooks = [m.register_forward_pre_hook(_hand_over_cache, with_kwargs=True) for m in adapter.attention_modules(model)]
     hooks.append(model.register_forward_pre_hook(_before_forward, with_kwargs=True))
-    hooks.append(model.register_forward_hook(_finish_prefill, with_kwargs=True))
+    hooks.append(model.base_model.register_forward_pre_hook(_begin_forward, with_kwargs=True))
+    hooks.append(model.register_forward_hook(_after_forward, with_kwargs=True))
     had_instance_generate = "generate" in model.__dict__
     model.__dict__[_STATE_ATTR] = PatchState(config, calibration, previous, hooks, had_instance_generate)
     if not had_instance_generate:

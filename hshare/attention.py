@@ -1,24 +1,25 @@
 """The attention function registered as ``"hshare"`` with transformers' `AttentionInterface`.
 
+It runs what the step planner decided before layer 0 of the forward (`hshare.step`): it never
+decides a step itself.
+
 * No `HShareCache` (a plain forward, lm-eval loglikelihood, a user's own cache): exact SDPA.
-* Prefill (q_len > 1, or the first token): exact SDPA, or with ``sparse_prefill`` each query row of
-  a sparse layer over its own critical tokens (`hshare.sparse_prefill`); sparse layers make their
-  selection policy (`hshare.policy`: label cache or Quest pages) and leave what its metadata and
-  the planner's evidence need; both are built once the forward is done
-  (`hshare.prefill_metadata`: not alive beside the forward's activations).
+* Prefill: exact SDPA, or with ``sparse_prefill`` each query row of a sparse layer over its own
+  critical tokens (`hshare.sparse_prefill`); sparse layers make their selection policy
+  (`hshare.policy`) and leave what its metadata and the planner's evidence need; both are built
+  once the forward is done (`hshare.prefill_metadata`: not alive beside the forward's activations).
 * Shared prefix (`HShareCache.prefix`): prefill and decode attend exactly to the prefix levels
   held once (one batched product per group and KV head) and to the row's own columns (dense, or
   HShare-sparse on sparse layers), merged exactly by LSE.
-* Decode (q_len == 1): the first layer opens the step (row windows, plan at the first step,
-  whether this step starts a query group). Dense layers run exact SDPA. Sparse layers append the
-  new token to the policy's metadata; at selection steps the layer's source heads score the middle
-  window (policy scores) and take the top-k, copying heads and layers reuse their source's columns;
-  then gather-attention over sink + heavy + local, or exact SDPA when every row is within the budget
-  or the step is too small for sparse attention to pay (`HShareConfig.dense_fallback_mib`).
+* Decode (the step's `hshare.step.DecodeStep`): dense layers and dense steps run exact attention
+  (split-KV, `hshare.kernels.split_decode_attention`). Sparse layers write the new token's
+  metadata; at selection steps the layer's source heads score the selectable window and take the
+  top-k, copying heads and layers reuse their source's columns; then gather-attention over sink +
+  heavy + local, or exact attention when every row is within the budget.
 * Heads: everything per head is sized from the tensors received at the first prefill, which under
   tensor parallelism hold the rank's own heads (`hshare.heads`).
-* Work counters (`hshare.cache.DecodeStats`): every decode path tells the cache what it read (a
-  dense reading, or the critical indices), with device tensors only.
+* Work counters (`hshare.counters`): every decode path tells the planner what it read (a dense
+  reading, or the critical indices), with device tensors only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hshare import prefill_metadata
 from hshare.cache import HShareCache, HShareLayer
+from hshare.step import DecodeStep
 from hshare.heads import head_shard
 from hshare.kernels import attention_with_lse, gather_attention, merge_attention_states, split_decode_attention
 from hshare.selection import NO_TOKEN, select_heavy, valid_columns_from_mask
@@ -53,84 +55,77 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if not isinstance(cache, HShareCache) or module.training:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    planner = cache.planner
     layer_idx = module.layer_idx
-    batch, _, q_len, _ = query.shape
-    kv_len = key.shape[2]
     scaling = module.scaling if scaling is None else scaling
-    decoding = q_len == 1 and kv_len > 1
+    if planner.forward is None:
+        raise RuntimeError("an HShareCache forward reached the attention without a planned step; the patched "
+                           "model's forward plans each forward (hshare.patch): call the model, not its inner modules")
+    if planner.forward == "prefill":
+        return _prefill(module, cache, layer_idx, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
-    if not decoding:
-        config = cache.config
-        prefix = cache.prefix_attention(layer_idx, query, scaling)  # exact, over the shared prefix levels
-        if cache.heads is None:  # the first prefill sizes per-head state (a rank's own heads under TP)
-            cache.set_heads(head_shard(module, query, key))
-        cache.check_heads(layer_idx, query, key)
-        if layer_idx == 0:
-            cache.begin_prefill()
-        sparse = cache.is_sparse_layer(layer_idx) and not cache.filling_prefix
-        if sparse:  # the policy from the prompt's queries; its metadata once the forward is done
-            valid = valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0]
-            prefill_metadata.defer(cache, layer_idx, query, key, valid)
-        if prefix is not None:
-            if config.sparse_prefill:
-                raise ValueError("HShareConfig.sparse_prefill does not combine with a shared prefix; accepted: "
-                                 "prefix='off' (or 'auto', which does not share with sparse prefill)")
-            out = _own_prefill_attention(query, key, value, attention_mask, scaling, prefix)
-        elif sparse and config.sparse_prefill and kv_len > config.budget:
-            prefill_metadata.complete(cache, layer_idx)  # sparse prefill scores with the metadata now
-            out = sparse_prefill_attention(query, key, value, attention_mask, scaling, cache.layers[layer_idx].policy,
-                                           config.sink, config.local, config.heavy), None
-        else:  # dense (a context within the budget: every row would attend to all its keys anyway)
-            out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                         **kwargs)
-        return out
-
-    static = cache.static
-    if layer_idx == 0:
-        if static is None:
-            cache.begin_decode_step(valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0])
-        else:  # static shapes: validity and the token's column are device tensors, the kind is scheduled
-            cache.open_step(static.valid)
-    if static is not None:  # transformers' mask is sized from host lengths: use the cache's validity
-        attention_mask = static.valid[:, None, None, :]
+    step = planner.current
     layer = cache.layers[layer_idx]
-    sparse = cache.is_sparse_layer(layer_idx)
+    sparse = planner.is_sparse(layer_idx)
     if sparse:
-        if static is None:
+        if cache.static is None:
             layer.policy.append(key[:, :, layer.policy.length:])
         else:
-            layer.policy.write(static.column, key)
-    if not sparse or cache.state.dense_fallback:
-        if not cache.state.dense_fallback:  # a dense step counted its reads once, at its start
-            cache.work.add_dense_layer()
+            layer.policy.write(cache.static.column, key)
+    if not sparse or step.dense:
+        if not step.dense:  # a dense step counted its reads once, at its start
+            planner.work.add_dense_layer()
         if cache.prefix is None:
-            return _dense_decode(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        return _decode_attention(cache, layer_idx, query, key, value, cache.own_columns(), scaling), None
-    windows = cache.state.windows
-    if cache.state.selecting:
-        _keep_heavy(cache, layer, _select_heavy_columns(cache, layer_idx, query))
+            return _dense_decode(query, key, value, step.valid, scaling), None
+        return _decode_attention(cache, layer_idx, query, key, value, step.own_columns, scaling), None
+    if step.selecting:
+        _keep_heavy(cache, layer, _select_heavy_columns(cache, step, layer_idx, query))
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
-        layer.heavy = torch.full((batch, cache.sel_heads, cache.config.heavy), NO_TOKEN, dtype=torch.long,
+        layer.heavy = torch.full((query.shape[0], cache.sel_heads, cache.config.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
-    if windows.all_short and cache.prefix is None:  # every row fits the budget: exact dense attention
-        cache.work.add_dense_layer()
-        return _dense_decode(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    indices = windows.critical_indices(layer.heavy, count=cache.work.rows_read(query.device))
+    if step.windows.all_short and cache.prefix is None:  # every row fits the budget: exact dense attention
+        planner.work.add_dense_layer()
+        return _dense_decode(query, key, value, step.valid, scaling), None
+    indices = step.windows.critical_indices(layer.heavy, count=planner.work.rows_read(query.device))
     return _decode_attention(cache, layer_idx, query, key, value, indices, scaling), None
 
 
-def _dense_decode(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, dropout: float, scaling: float, **kwargs):
-    """Exact dense attention of a decode step: ``[B, 1, Hq, d]``, None. With no mask or a key mask shared by
-    the heads (padding, a window, static shapes), `hshare.kernels.split_decode_attention`: a GQA model's
-    keys and values read once, the keys split over the GPU's SMs (few rows at long context fill it) and
-    merged by LSE. Otherwise (dropout, a float mask or one per head) transformers' SDPA function."""
-    if dropout == 0.0 and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.dim() == 4
-                                                      and attention_mask.shape[1] == 1)):
-        valid = None if attention_mask is None else attention_mask[:, 0, 0, : key.shape[2]]
-        return split_decode_attention(query[:, :, 0], key, value, valid, scaling)[:, None], None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
+def _prefill(module, cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attention_mask: torch.Tensor | None, scaling: float, dropout: float, **kwargs):
+    """A prefill forward's attention, and what its sparse layers leave for their metadata.
+
+    Returns:
+        ``(out [B, T, Hq, d], None)``.
+    """
+    config, planner = cache.config, cache.planner
+    batch, kv_len = query.shape[0], key.shape[2]
+    prefix = cache.prefix_attention(layer_idx, query, scaling)  # exact, over the shared prefix levels
+    if cache.heads is None:  # the first prefill sizes per-head state (a rank's own heads under TP)
+        cache.set_heads(head_shard(module, query, key))
+    cache.check_heads(layer_idx, query, key)
+    sparse = planner.is_sparse(layer_idx) and not cache.filling_prefix
+    if sparse:  # the policy from the prompt's queries; its metadata once the forward is done
+        valid = valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0]
+        prefill_metadata.defer(cache, planner, layer_idx, query, key, valid)
+    if prefix is not None:
+        if config.sparse_prefill:
+            raise ValueError("HShareConfig.sparse_prefill does not combine with a shared prefix; accepted: "
+                             "prefix='off' (or 'auto', which does not share with sparse prefill)")
+        return _own_prefill_attention(query, key, value, attention_mask, scaling, prefix)
+    if sparse and config.sparse_prefill and kv_len > config.budget:
+        prefill_metadata.complete(cache, planner, layer_idx)  # sparse prefill scores with the metadata now
+        return sparse_prefill_attention(query, key, value, attention_mask, scaling, cache.layers[layer_idx].policy,
+                                        config.sink, config.local, config.heavy), None
+    # dense (a context within the budget: every row would attend to all its keys anyway)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _dense_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor,
+                  scaling: float) -> torch.Tensor:
+    """Exact dense attention of a decode step over the keys `valid` ``[B, n]`` marks: ``[B, 1, Hq, d]``
+    (`hshare.kernels.split_decode_attention`: a GQA model's keys and values read once, the keys split over
+    the GPU's SMs, merged by LSE)."""
+    return split_decode_attention(query[:, :, 0], key, value, valid, scaling)[:, None]
 
 
 def _keep_heavy(cache: HShareCache, layer: HShareLayer, heavy: torch.Tensor) -> None:
@@ -179,20 +174,20 @@ def _own_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     return out.transpose(1, 2).contiguous(), None
 
 
-def _select_heavy_columns(cache: HShareCache, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
+def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
     """Heavy columns ``[B, H_sel, heavy]`` of one layer at a selection step.
 
     Only the rows for which this layer is a source, and only its source heads, compute policy
     scores; copying heads take their source head's columns, copying layers their source layer's.
     """
-    cache_state, config = cache.state, cache.config
+    config = cache.config
     layer = cache.layers[layer_idx]
-    share = cache_state.shares[layer_idx]
+    share = step.shares[layer_idx]
     batch = query.shape[0]
     heavy = None
     rows = share.select_rows
     if rows is None or len(rows):
-        middle = cache_state.windows.selectable
+        middle = step.windows.selectable
         source_heads, head_slot = share.source_heads, share.head_slot
         if rows is not None:
             middle = middle.index_select(0, rows)
@@ -202,7 +197,6 @@ def _select_heavy_columns(cache: HShareCache, layer_idx: int, query: torch.Tenso
         heads = None if share.all_heads else source_heads
         scores = layer.policy.decode_scores(query[:, :, 0], rows=rows, heads=heads)  # [B', n_src, n]
         chosen = select_heavy(scores, middle[:, None], config.heavy)
-        cache.count_scorings(count * scores.shape[1], layer.policy)
         if not share.all_heads:
             slots = head_slot.expand(count, -1)[..., None].expand(-1, -1, config.heavy)
             chosen = chosen.gather(1, slots)

@@ -1,23 +1,26 @@
-"""The per-`generate` cache: KV, selection metadata, the shared prefix, the step state, counters.
+"""The per-`generate` storage: keys and values, selection metadata, the shared prefix, static columns.
 
 A fresh `HShareCache` is made for every ``generate`` call (`hshare.api` injects it), so batch
 size, prompts and lengths may change freely between calls and nothing leaks. It is a transformers
 `Cache` (generate, beams and pipelines use it as any other cache); its layers keep the whole KV
 in growable buffers (no per-step ``torch.cat``). Sliding-window models keep full KV: the window is
-enforced by the attention mask, so the sparse path never attends outside it.
+enforced by the key validity, so the sparse path never attends outside it.
 
-Static shapes (`freeze`, used by `hshare.static_decode` on CUDA): buffers reserved at the
-generation's final length (``reserve``: the prompt plus ``max_new_tokens`` - 1) are exposed whole, the
-decode token is written at a column held in a device tensor and key validity comes from a device
-tensor (`StaticColumns`), so every decode step of one kind has the same shapes and device work.
+Static shapes are one mechanism of the storage, not a second cache class (transformers makes a
+static cache a layer type; here the same buffers switch modes, because a generation starts eager,
+decodes static, and goes back to eager when it must, without copying anything): `freeze` exposes the
+buffers reserved at the generation's final length (``reserve``: the prompt plus ``max_new_tokens``
+- 1) whole, the decode token is written at a column held in a device tensor and key validity is a
+device tensor (`StaticColumns`), so every decode step of one kind has the same shapes and device work
+(`hshare.static_decode`).
 
-What a step decides lives in `hshare.step` (``cache.state``), the counters in `hshare.counters`
-(``cache.stats``).
+The cache decides nothing about a step: its `planner` (`hshare.step.StepPlanner`) plans the steps,
+keeps the planner's evidence and the counters (``cache.stats``); the cache tells it when rows or
+columns change.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,24 +29,21 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hshare.buffer import GrowingBuffer
 from hshare.channels import ChannelCalibration
 from hshare.config import HShareConfig
-from hshare.counters import DecodeStats, WorkCounters
+from hshare.counters import DecodeStats
 from hshare.heads import HeadShard
+from hshare.patches import sliding_window
 from hshare.policy import SelectionPolicy
-from hshare.prefill_metadata import PendingPrefill, complete
 from hshare.prefix_store import PrefixStore
-from hshare.step import DecodeStep
+from hshare.step import StepPlanner
 
 
 class HShareLayer(CacheLayerMixin):
-    """One layer's KV (``[B, Hkv, n, d]`` views of growable buffers) and sparse-decode state.
+    """One layer's KV (``[B, Hkv, n, d]`` views of growable buffers) and selection state.
 
     Attributes:
-        policy: the layer's selection-policy metadata (`hshare.policy.SelectionPolicy`: a
-            `LabelCache` or a `QuestPageCache`; sparse layers, after prefill).
+        policy: the layer's selection-policy metadata (`hshare.policy.SelectionPolicy`; sparse layers,
+            after prefill).
         heavy: ``[B, H_sel, heavy]`` heavy columns of the last selection (query groups reuse them).
-        keep: ``[B, H_sel, W, heavy]`` prefill keep-sets, the planner's evidence (until planned).
-        pending: what the last prefill forward left for its metadata and evidence
-            (`hshare.prefill_metadata`; None once `HShareCache.finish_prefill` built them).
         prefix_width: columns held by the cache's shared-prefix store before this layer's own
             columns (counted in the sequence length transformers sees).
         column: static shapes: ``[1]`` int64 device tensor, the column the decode token is written
@@ -60,14 +60,12 @@ class HShareLayer(CacheLayerMixin):
     def __init__(self, reserve: int = 0) -> None:
         super().__init__()
         self.reserve = reserve
-        self._keys = GrowingBuffer(reserve)
-        self._values = GrowingBuffer(reserve)
+        self.key_buffer = GrowingBuffer(reserve)
+        self.value_buffer = GrowingBuffer(reserve)
         self.policy: SelectionPolicy | None = None
         self.heavy: torch.Tensor | None = None
-        self.keep: torch.Tensor | None = None
         self.prefix_width = 0
         self.column: torch.Tensor | None = None
-        self.pending: PendingPrefill | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -77,23 +75,23 @@ class HShareLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.column is not None:  # static shapes: the decode token at the step's column
-            self._keys.write(self.column, key_states)
-            self._values.write(self.column, value_states)
+            self.key_buffer.write(self.column, key_states)
+            self.value_buffer.write(self.column, value_states)
             return self.keys, self.values
-        self.keys = self._keys.append(key_states)
-        self.values = self._values.append(value_states)
+        self.keys = self.key_buffer.append(key_states)
+        self.values = self.value_buffer.append(value_states)
         return self.keys, self.values
 
     @property
     def buffers(self) -> list[GrowingBuffer]:
         """Every token buffer of the layer (KV, and the policy's metadata when it has buffers)."""
-        return [self._keys, self._values, *getattr(self.policy, "buffers", ())]
+        return [self.key_buffer, self.value_buffer, *getattr(self.policy, "buffers", ())]
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.prefix_width + self._keys.length
+        return self.prefix_width + self.key_buffer.length
 
     def get_max_length(self) -> int:
         return -1
@@ -101,14 +99,13 @@ class HShareLayer(CacheLayerMixin):
     def select_rows(self, rows: torch.Tensor) -> None:
         """Reorder / select / repeat batch rows of everything this layer holds (the cache's beam and
         batch methods call this for every layer)."""
-        self._keys.select_rows(rows)
-        self._values.select_rows(rows)
-        self.keys, self.values = self._keys.view(), self._values.view()
+        self.key_buffer.select_rows(rows)
+        self.value_buffer.select_rows(rows)
+        self.keys, self.values = self.key_buffer.view(), self.value_buffer.view()
         if self.policy is not None:
             self.policy.select_rows(rows)
         if self.heavy is not None:
             self.heavy = self.heavy.index_select(0, rows.to(self.heavy.device))
-        self.keep = None
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -116,10 +113,10 @@ class HShareLayer(CacheLayerMixin):
         length = self.get_seq_length() + tokens_to_remove - self.prefix_width
         if length < 0:
             raise ValueError(f"crop({tokens_to_remove}) would cut into the shared prefix ({self.prefix_width} tokens); "
-                             f"accepted: at most {self._keys.length} tokens")
-        self._keys.crop(length)
-        self._values.crop(length)
-        self.keys, self.values = self._keys.view(), self._values.view()
+                             f"accepted: at most {self.key_buffer.length} tokens")
+        self.key_buffer.crop(length)
+        self.value_buffer.crop(length)
+        self.keys, self.values = self.key_buffer.view(), self.value_buffer.view()
         if self.policy is not None:
             self.policy.crop(length)
         self.heavy = None  # selections may point past the cropped end: select again
@@ -128,7 +125,7 @@ class HShareLayer(CacheLayerMixin):
         self.__init__(self.reserve)
 
     def kv_bytes(self) -> int:
-        return self._keys.nbytes() + self._values.nbytes()
+        return self.key_buffer.nbytes() + self.value_buffer.nbytes()
 
 
 @dataclass
@@ -146,7 +143,7 @@ class StaticColumns:
 
 
 class HShareCache(Cache):
-    """All state of one generation: KV, selection metadata, prefix, step state, counters.
+    """The storage of one generation: KV, selection metadata, the shared prefix, static columns.
 
     Head counts (``q_heads``, ``kv_heads``, ``sel_heads``: Hq, Hkv, H_sel) are those the attention
     function receives, set at the first prefill (`set_heads`): under tensor parallelism, the
@@ -171,39 +168,21 @@ class HShareCache(Cache):
         self.q_heads: int | None = None
         self.kv_heads: int | None = None
         self.sel_heads: int | None = None
-        dense = set(config.dense_layers)
-        self.sparse_layers = [i for i in range(self.num_layers) if i not in dense] if config.sparse else []
-        self._sparse = set(self.sparse_layers)
-        self.state = DecodeStep()
-        self.counts = DecodeStats()  # the host-side counters (the device-side ones stay 0 here)
-        self.work = WorkCounters(0)  # the device-side ones (sized by set_heads)
+        self.planner = StepPlanner(config, self.num_layers, sliding_window(model_config))
         self.prefix: PrefixStore | None = None
-        self._prefix_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
         self.static: StaticColumns | None = None
         self._static_buffers: list[GrowingBuffer] = []  # every token buffer a static step writes (`advance`)
         self.static_decode = None  # hshare.static_decode.StaticDecodeReport of the generate that filled it
-        # Decided at the own prefill of a reserved cache: True when even the reserved final length stays
-        # below the dense fallback, so every decode step is dense and no label is ever made or written.
-        self.dense_throughout: bool | None = None
-        # (source view's address, shape, strides; its copy): the key validity the sparse layers of the
-        # running prefill forward share (`prefill_metadata.defer`); reset at each prefill
-        self.prefill_valid: tuple[tuple, torch.Tensor] | None = None
 
     @property
     def stats(self) -> DecodeStats:
         """The generation's counters (`DecodeStats`), a fresh object at each read. The data-dependent
         counters live on the device during generation; reading them here is one host sync."""
-        read, dense, sparse_steps = self.work.totals()
-        return dataclasses.replace(self.counts, kv_rows_read=read, dense_kv_rows=dense, sparse_steps=sparse_steps)
+        return self.planner.stats()
 
-    def count_scorings(self, scorings: int, policy: SelectionPolicy) -> None:
-        """`scorings` (row, head) scorings of one layer by `policy` (host ints from shapes: no sync)."""
-        self.counts.score_computations += scorings
-        units = scorings * policy.scored_units()
-        if policy.unit == "pages":
-            self.counts.scored_pages += units
-        else:
-            self.counts.scored_tokens += units
+    @property
+    def sparse_layers(self) -> list[int]:
+        return self.planner.sparse_layers
 
     def set_heads(self, heads: HeadShard) -> None:
         """Size the per-head state from the heads the attention function receives (the first
@@ -211,7 +190,6 @@ class HShareCache(Cache):
         self.heads = heads
         self.q_heads, self.kv_heads = heads.q_heads, heads.kv_heads
         self.sel_heads = heads.kv_heads if self.config.selection == "kv_head" else heads.q_heads
-        self.work.kv_heads = heads.kv_heads
         if self.calibration is not None and heads.sharded:
             self.calibration = self.calibration.head_slice(heads.q_offset, heads.q_heads)
 
@@ -222,28 +200,75 @@ class HShareCache(Cache):
                              f"was sized for {self.heads.describe()} at its first prefill; accepted: the same heads "
                              "in every layer and forward of one generation")
 
+    # ---- what is stored -----------------------------------------------------------------
+    @property
+    def key_storage(self) -> torch.Tensor | None:
+        """Layer 0's whole key buffer ``[B, Hkv, capacity, d]`` (every layer's has its shape), or None
+        before the first own token."""
+        return self.layers[0].key_buffer.storage
+
+    @property
+    def rows(self) -> int:
+        """Batch rows of the own columns (after the first own token)."""
+        return self.key_storage.shape[0]
+
+    @property
+    def storage_device(self) -> torch.device:
+        return self.key_storage.device
+
+    @property
+    def own_length(self) -> int:
+        """Own columns stored per row (prefix levels excluded)."""
+        return self.layers[0].key_buffer.length
+
+    @property
+    def own_capacity(self) -> int:
+        """Own columns the buffers hold without growing."""
+        return self.layers[0].key_buffer.capacity
+
+    def layer_kv_bytes(self, rows: int, columns: int) -> int:
+        """Bytes of one layer's own keys and values over `columns` columns of `rows` rows (what dense
+        attention reads)."""
+        keys = self.key_storage
+        return rows * columns * keys.shape[1] * keys.shape[3] * keys.element_size() * 2
+
+    def drop_selections(self) -> None:
+        """Forget every layer's heavy columns (a prefill invalidates them)."""
+        for layer in self.layers:
+            layer.heavy = None
+
+    def drop_policies(self) -> None:
+        """Forget every layer's selection metadata (a generation decoded densely throughout needs none)."""
+        for layer in self.layers:
+            layer.policy = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.filling_prefix:
+            return self.prefix.store(layer_idx, key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     # ---- static shapes ------------------------------------------------------------------
     def freeze(self) -> StaticColumns:
         """Static-shape decode from now on (after prefill): every buffer is exposed whole (its
         reserved size), tokens are written at ``static.column``, validity is ``static.valid``."""
-        self.finish_prefill()
-        keys = self.layers[0]._keys.storage
+        if self.planner.pending:
+            raise RuntimeError("freeze() with a prefill's selection metadata pending; the patched model's forward "
+                               "hook builds it (StepPlanner.end_forward)")
+        keys = self.key_storage
         if keys is None or not self.reserve or keys.shape[2] != self.reserve:
             raise RuntimeError("static shapes need buffers reserved at the generation's final length "
                                f"(reserve={self.reserve}, prefilled storage {None if keys is None else tuple(keys.shape)})")
         device = keys.device
-        # made now, not at the first step: made inside a capture, the graph would zero them at every replay
-        self.work.on(device)
         self.static = StaticColumns(
             valid=torch.zeros(keys.shape[0], keys.shape[2], dtype=torch.bool, device=device),
             column=torch.zeros(1, dtype=torch.long, device=device),
         )
         for layer in self.layers:
-            layer._keys.freeze()
-            layer._values.freeze()
+            layer.key_buffer.freeze()
+            layer.value_buffer.freeze()
             if layer.policy is not None:
                 layer.policy.freeze(self.reserve)
-            layer.keys, layer.values = layer._keys.view(), layer._values.view()
+            layer.keys, layer.values = layer.key_buffer.view(), layer.value_buffer.view()
             layer.column = self.static.column
         self._static_buffers = [buffer for layer in self.layers for buffer in layer.buffers
                                 if buffer.storage is not None]
@@ -253,33 +278,29 @@ class HShareCache(Cache):
         """Back to growing buffers and views of the stored tokens (generation goes on eagerly)."""
         self.static, self._static_buffers = None, []
         for layer in self.layers:
-            layer._keys.thaw()
-            layer._values.thaw()
+            layer.key_buffer.thaw()
+            layer.value_buffer.thaw()
             if layer.policy is not None:
-                layer.policy.thaw(layer._keys.length)
+                layer.policy.thaw(layer.key_buffer.length)
             layer.column = None
-            if layer._keys.storage is not None:
-                layer.keys, layer.values = layer._keys.view(), layer._values.view()
+            if layer.key_buffer.storage is not None:
+                layer.keys, layer.values = layer.key_buffer.view(), layer.value_buffer.view()
 
     def set_reserve(self, reserve: int) -> None:
         """Reserve `reserve` own columns per row at the first allocation (before the own prefill)."""
-        if self.layers[0]._keys.storage is not None:
+        if self.key_storage is not None:
             raise RuntimeError("set_reserve must come before the first token is cached")
-        self.reserve, self.dense_throughout = reserve, None  # decided anew at the next own prefill
+        self.reserve = reserve
+        self.planner.dense_throughout = None  # decided anew after the next own prefill
         for layer in self.layers:
             layer.reserve = reserve
-            layer._keys.reserve = layer._values.reserve = reserve
-
-    @property
-    def own_length(self) -> int:
-        """Own columns stored per row (prefix levels excluded)."""
-        return self.layers[0]._keys.length
+            layer.key_buffer.reserve = layer.value_buffer.reserve = reserve
 
     def advance(self, tokens: int = 1) -> None:
         """Host bookkeeping of a static step's token (written on the device at ``static.column``): the
         length of every token buffer moves on. All were reserved at ``reserve`` columns, so one check
         covers them; the host time of this runs while the GPU waits for the step, so it is one loop
-        over a list made at `freeze` (160 buffers at 32 layers)."""
+        over a list made at `freeze`."""
         if self.own_length + tokens > self.reserve:
             raise RuntimeError(f"static buffers full: {self.own_length} + {tokens} tokens > reserve {self.reserve}")
         for buffer in self._static_buffers:
@@ -291,7 +312,6 @@ class HShareCache(Cache):
         if self.get_seq_length():
             raise ValueError("a shared prefix must be set on an empty cache")
         self.prefix = prefix
-        self._prefix_tokens = None
         self._set_prefix_width(0)
 
     def _set_prefix_width(self, width: int) -> None:
@@ -315,120 +335,14 @@ class HShareCache(Cache):
         """Exact attention over the visible prefix levels (`PrefixStore.attend`), or None."""
         return None if self.prefix is None else self.prefix.attend(layer, query, scale)
 
-    def own_columns(self) -> torch.Tensor:
-        """``[B, Hkv, n]`` every valid own column of this decode step (``NO_TOKEN`` elsewhere): the
-        indices of exact attention over the own part next to a shared prefix (built once a step)."""
-        return self.state.own_valid_columns(self.kv_heads)
-
-    def prefix_tokens(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Prefix-level tokens one layer's decode attention reads per KV head, and what the rows
-        would read without sharing: ``(valid tokens summed over the groups that have rows, valid
-        tokens summed over the rows' groups)``, int64 device scalars summed over the levels (built
-        once per layout, with tensor ops only; None without a prefix)."""
-        if self.prefix is None:
-            return None
-        if self._prefix_tokens is None:
-            read = seen = torch.zeros((), dtype=torch.int64, device=device)
-            for level in self.prefix.levels:
-                row_group = level.row_group.to(device)
-                member = row_group >= 0
-                group = row_group.clamp(min=0)
-                tokens = (torch.full((level.groups,), level.width, dtype=torch.int64, device=device)
-                          if level.key_valid is None else level.key_valid.to(device).sum(-1))
-                rows = torch.zeros(level.groups, dtype=torch.int64, device=device).scatter_add_(0, group, member.long())
-                read = read + (tokens * (rows > 0)).sum()
-                seen = seen + (tokens[group] * member).sum()
-            self._prefix_tokens = (read, seen)
-        return self._prefix_tokens
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.filling_prefix:
-            return self.prefix.store(layer_idx, key_states, value_states)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    # ---- layer roles --------------------------------------------------------------------
-    def is_sparse_layer(self, layer: int) -> bool:
-        """Whether `layer` keeps selection metadata and may attend sparsely (never when `dense_throughout`)."""
-        return layer in self._sparse and not self.dense_throughout
-
-    @property
-    def collects_evidence(self) -> bool:
-        """Whether prefill records keep-sets (only when a greedy plan will use them)."""
-        return bool(self.sparse_layers) and self.config.shares_layers_or_heads and self.config.planner == "greedy"
-
-    def earlier_keep_sets(self, layer: int) -> list[torch.Tensor]:
-        return [self.layers[i].keep for i in self.sparse_layers if i < layer and self.layers[i].keep is not None]
-
-    # ---- steps --------------------------------------------------------------------------
-    def finish_prefill(self) -> None:
-        """Build the metadata and evidence the last prefill forward left to its sparse layers
-        (`hshare.prefill_metadata.complete`; nothing when none is pending). The patched model calls
-        it after each forward; every later use of the metadata calls it first."""
-        for index, layer in enumerate(self.layers):
-            if layer.pending is not None:
-                complete(self, index)
-        self.prefill_valid = None
-
-    def begin_prefill(self) -> None:
-        """A prefill forward (q_len > 1) invalidates the plan and selections of earlier steps."""
-        self.finish_prefill()  # (also drops the last forward's shared validity)
-        self.state.begin_prefill()
-        for layer in self.layers:
-            layer.heavy = None
-        keys = self.layers[0]._keys.storage
-        if self.dense_throughout is None and self.reserve and self.sparse_layers and keys is not None \
-                and not self.filling_prefix:
-            fallback = self.config.dense_fallback_bytes(keys.device)
-            self.dense_throughout = self._layer_kv_bytes(keys.shape[0], self.reserve) < fallback
-
-    def schedule_step(self, batch: int, columns: int, device: torch.device) -> str:
-        """Decide the next decode step's kind on the host (`hshare.step.DecodeStep.schedule`) and
-        build the sharing plan at the first sparse step (one host sync per plan).
-
-        Args:
-            columns: own columns of every row at this step (the new token included).
-        """
-        self.finish_prefill()
-        state, config = self.state, self.config
-        # dense throughout: no labels were made, so every step (one past an outgrown reserve too) is dense
-        kv_bytes = 0 if self.dense_throughout else self._layer_kv_bytes(batch, columns)
-        kind = state.schedule(config, self.counts, bool(self.sparse_layers), kv_bytes, device)
-        if kind != "dense" and state.plan is None:
-            state.make_plan(config, self.counts, self.sparse_layers, self.num_layers, self.sel_heads, batch, device)
-            for layer in self.layers:
-                layer.keep = None
-        return kind
-
-    def open_step(self, valid: torch.Tensor) -> None:
-        """The step's device tensors (first layer of the decode forward; `DecodeStep.open`).
-
-        Args:
-            valid: ``[B, n]`` key validity of the decode query over the own columns.
-        """
-        self.state.open(self.config, valid, self.work, self.num_layers, self.prefix_tokens(valid.device),
-                        static=self.static is not None)
-
-    def begin_decode_step(self, valid: torch.Tensor) -> None:
-        """An eager decode step: `schedule_step` from the shapes of `valid` ``[B, n]``, then `open_step`."""
-        self.schedule_step(valid.shape[0], valid.shape[1], valid.device)
-        self.open_step(valid)
-
-    def _layer_kv_bytes(self, batch: int, columns: int) -> int:
-        """Bytes of one layer's own keys and values at this step (what dense attention reads)."""
-        keys = self.layers[0]._keys.storage
-        return batch * columns * keys.shape[1] * keys.shape[3] * keys.element_size() * 2
-
     # ---- transformers Cache API -------------------------------------------------------
     def _select_rows(self, rows: torch.Tensor) -> None:
-        self.finish_prefill()
+        self.planner.finish_prefill(self)
         for layer in self.layers:
             layer.select_rows(rows)
         if self.prefix is not None:
             self.prefix.select_rows(rows)
-            self._prefix_tokens = None
-        if self.state.plan is not None and self.state.plan.per_sample:
-            plan = self.state.plan.select_rows(rows.to(self.state.plan.layer_source.device))
-            self.state.compile_plan(plan, self.sparse_layers, self.sel_heads)
+        self.planner.select_rows(self, rows)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.get_seq_length():
@@ -440,13 +354,12 @@ class HShareCache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.get_seq_length():
-            batch = self.layers[0]._keys.storage.shape[0]
-            self._select_rows(torch.arange(batch, device=self.layers[0].device).repeat_interleave(repeats))
+            self._select_rows(torch.arange(self.rows, device=self.layers[0].device).repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
-        self.finish_prefill()
+        self.planner.finish_prefill(self)
         super().crop(tokens_to_remove)
-        self.state.last_selection = None
+        self.planner.cropped()
 
     # ---- accounting ---------------------------------------------------------------------
     def kv_bytes(self) -> int:
@@ -459,8 +372,8 @@ class HShareCache(Cache):
         every row's keys and values over all columns, prefix and padding included."""
         total = 0
         for layer in self.layers:
-            if layer._keys.storage is not None:
-                keys = layer._keys.view()
+            if layer.key_buffer.storage is not None:
+                keys = layer.key_buffer.view()
                 row_token_bytes = keys.shape[1] * keys.shape[3] * keys.element_size() * 2
                 total += keys.shape[0] * layer.get_seq_length() * row_token_bytes
         return total

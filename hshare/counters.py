@@ -72,37 +72,36 @@ class WorkCounters:
     in one kernel; in a sparse step each layer adds what it read: every valid own key
     (`add_dense_layer`) or the valid entries of its critical indices (`rows_read`). One int64 ``[3]`` tensor per device,
     updated in place (a captured step updates it on every replay); `totals` syncs once.
-
-    Args:
-        kv_heads: Hkv, the KV heads a dense reading reads each valid key from.
     """
 
-    def __init__(self, kv_heads: int) -> None:
-        self.kv_heads = kv_heads
+    def __init__(self) -> None:
+        self.kv_heads = 0  # this step: Hkv, the KV heads a dense reading reads each valid key from
         self.work: dict[torch.device, torch.Tensor] = {}
         self.own_keys: torch.Tensor | None = None  # this step: valid own keys of all rows (device scalar)
 
     def on(self, device: torch.device) -> torch.Tensor:
-        """The ``[3]`` int64 counters on `device` (made at the first use; static decode makes them at
-        `HShareCache.freeze`, before any capture)."""
+        """The ``[3]`` int64 counters on `device` (made at the first use; static decode makes them
+        before any capture: made inside one, the graph would zero them at every replay)."""
         work = self.work.get(device)
         if work is None:
             work = self.work[device] = torch.zeros(3, dtype=torch.int64, device=device)
         return work
 
-    def begin_step(self, own_keys: torch.Tensor, layers: int, prefix_tokens: tuple[torch.Tensor, torch.Tensor] | None,
+    def begin_step(self, own_keys: torch.Tensor, layers: int, kv_heads: int,
+                   prefix_tokens: tuple[torch.Tensor, torch.Tensor] | None,
                    sparse_rows: torch.Tensor | None = None) -> None:
         """A decode step starts.
 
         Args:
             own_keys: valid own keys summed over the rows (int64 device scalar).
             layers: the model's layers (each one attends once per step).
+            kv_heads: Hkv, the KV heads a dense reading reads each valid key from.
             prefix_tokens: None, or the prefix levels' ``(valid tokens summed over the groups that
                 have rows, valid tokens summed over the rows' groups)`` (device scalars).
             sparse_rows: ``[B]`` bool, rows attended sparsely at this step (None = a dense step: its
                 reads are counted here, and its layers add nothing).
         """
-        self.own_keys = own_keys
+        self.own_keys, self.kv_heads = own_keys, kv_heads
         work = self.on(own_keys.device)
         work[_DENSE_KV_ROWS].add_(own_keys, alpha=layers * self.kv_heads)
         if sparse_rows is None:

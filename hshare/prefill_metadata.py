@@ -4,11 +4,11 @@ A sparse layer needs two things from the prompt: its selection policy's metadata
 key (labels or Quest pages, `hshare.policy`) and, when layers or heads share, the planner's
 evidence (HShare section 4.3: the keep-sets of the last ``plan_rows`` prompt queries). Both are
 built from the cache's keys *after* the prefill forward has returned (`complete`, called by
-`HShareCache.finish_prefill`), not inside the layer: during the forward every layer's MLP and
+`hshare.step.StepPlanner.finish_prefill`), not inside the layer: during the forward every layer's MLP and
 attention activations are alive, so metadata allocated there (0.8 GiB of labels at 32 layers,
 16 rows of 4k tokens) adds to the generation's peak memory; afterwards only the weights and the
-KV are. The layer keeps only what the cache does not: the policy made from its prompt queries
-(heavy channels, no token buffers yet), what the policy scores of the evidence rows' queries
+KV are. The planner keeps for the layer only what the cache does not: the policy made from its prompt
+queries (heavy channels, no token buffers yet; on the layer), what the policy scores of the evidence rows' queries
 (`SelectionPolicy.score_query`: for labels ``[B, H_sel, W, r]``, a quarter of the queries at r = 16 in
 fp32, 12 MiB less for 32 layers of 16 rows, 32 heads) and the keys' validity ``[B, n]``, one copy
 shared by the layers of a forward (`PendingPrefill`). Sparse prefill needs the metadata inside the
@@ -28,6 +28,7 @@ from hshare.selection import prefill_middle_windows, select_heavy
 
 if TYPE_CHECKING:
     from hshare.cache import HShareCache
+    from hshare.step import StepPlanner
 
 
 @dataclass
@@ -45,7 +46,8 @@ class PendingPrefill:
     evidence_query: torch.Tensor | None
 
 
-def defer(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor) -> None:
+def defer(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+          valid: torch.Tensor) -> None:
     """Inside a prefill forward: make the layer's selection policy at its first prefill (heavy channels
     from the prompt's queries and keys) and record what `complete` needs (copies: the forward's
     tensors are freed).
@@ -60,32 +62,33 @@ def defer(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Te
         layer.policy = new_policy(cache.config, cache.calibration, layer_idx, query, key[:, :, kv_len - q_len:],
                                   valid[:, kv_len - q_len:], cache.kv_heads, cache.reserve)
     evidence = None
-    if cache.collects_evidence:
+    if planner.collects_evidence:
         rows = min(cache.config.plan_rows, query.shape[2])
         evidence = layer.policy.score_query(query[:, :, query.shape[2] - rows:])
         if evidence._base is not None:  # a view of the forward's queries, which are freed: keep a copy
             evidence = evidence.clone()
     # one copy of the validity per forward: every layer sees the same mask (views with one address)
     source = (valid.data_ptr(), valid.shape, valid.stride())
-    if cache.prefill_valid is None or cache.prefill_valid[0] != source:
-        cache.prefill_valid = (source, valid.clone())
-    layer.pending = PendingPrefill(cache.prefill_valid[1], evidence)
+    if planner.prefill_valid is None or planner.prefill_valid[0] != source:
+        planner.prefill_valid = (source, valid.clone())
+    planner.pending[layer_idx] = PendingPrefill(planner.prefill_valid[1], evidence)
 
 
-def complete(cache: HShareCache, layer_idx: int) -> None:
+def complete(cache: HShareCache, planner: StepPlanner, layer_idx: int) -> None:
     """Append the layer's metadata for its keys not yet covered and record the planner's evidence."""
     layer = cache.layers[layer_idx]
-    pending, layer.pending = layer.pending, None
+    pending = planner.pending.pop(layer_idx, None)
     if pending is None:
         return
     keys = layer.keys[:, :, :pending.valid.shape[1]]  # the prefill's columns (a decode step may have added one)
     start = layer.policy.length
     layer.policy.append(keys[:, :, start:], pending.valid[:, start:])
     if pending.evidence_query is not None:
-        record_evidence(cache, layer_idx, pending.evidence_query, pending.valid)
+        record_evidence(cache, planner, layer_idx, pending.evidence_query, pending.valid)
 
 
-def record_evidence(cache: HShareCache, layer_idx: int, query: torch.Tensor, valid: torch.Tensor) -> None:
+def record_evidence(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch.Tensor,
+                    valid: torch.Tensor) -> None:
     """This layer's keep-sets for a greedy plan: the heavy columns decode selection would choose
     for the last W prompt query rows (same policy scores, same windows).
 
@@ -104,8 +107,8 @@ def record_evidence(cache: HShareCache, layer_idx: int, query: torch.Tensor, val
     scores = layer.policy.prefill_scores(query)  # [B, H_sel, W, n]
     keep = select_heavy(scores, middle[:, None], config.heavy)
     if config.head_sharing < 1:
-        cache.state.head_similarity[layer_idx] = head_similarity(keep, kv_len)
+        planner.head_similarity[layer_idx] = head_similarity(keep, kv_len)
     if config.layer_sharing < 1:
-        overlaps = layer_overlaps(keep, cache.earlier_keep_sets(layer_idx), kv_len)
-        cache.state.layer_similarity[layer_idx] = cache.heads.mean_over_ranks(overlaps)  # one layer plan for all ranks
-        layer.keep = keep
+        overlaps = layer_overlaps(keep, planner.earlier_keep_sets(layer_idx), kv_len)
+        planner.layer_similarity[layer_idx] = cache.heads.mean_over_ranks(overlaps)  # one layer plan for all ranks
+        planner.keep[layer_idx] = keep

@@ -74,6 +74,7 @@ class PrefixStore:
         self.levels = levels
         self.filling: int | None = None  # the level being prefilled, None once all are stored
         self._pass_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._read_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def width(self) -> int:
@@ -107,6 +108,26 @@ class PrefixStore:
         """Rows of the batch were reordered / selected / repeated: remap their groups."""
         for level in self.levels:
             level.set_rows(level.row_group.index_select(0, rows.to(level.row_group.device)))
+        self._read_tokens = None
+
+    def read_tokens(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefix-level tokens one layer's decode attention reads per KV head, and what the rows would
+        read without sharing: ``(valid tokens summed over the groups that have rows, valid tokens summed
+        over the rows' groups)``, int64 device scalars summed over the levels (built once per layout,
+        with tensor ops only)."""
+        if self._read_tokens is None:
+            read = seen = torch.zeros((), dtype=torch.int64, device=device)
+            for level in self.levels:
+                row_group = level.row_group.to(device)
+                member = row_group >= 0
+                group = row_group.clamp(min=0)
+                tokens = (torch.full((level.groups,), level.width, dtype=torch.int64, device=device)
+                          if level.key_valid is None else level.key_valid.to(device).sum(-1))
+                rows = torch.zeros(level.groups, dtype=torch.int64, device=device).scatter_add_(0, group, member.long())
+                read = read + (tokens * (rows > 0)).sum()
+                seen = seen + (tokens[group] * member).sum()
+            self._read_tokens = (read, seen)
+        return self._read_tokens
 
     def attend(self, layer: int, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Exact attention of the pass's rows (prefill) over every visible level, merged by LSE.

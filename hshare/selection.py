@@ -35,6 +35,33 @@ def valid_columns_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_
     return mask.expand(batch, query_rows, kv_len)
 
 
+def own_key_validity(attention_mask: torch.Tensor | None, batch: int, columns: int, window: int | None,
+                     device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Key validity of a decode query over the rows' own columns: ``[B, columns]`` bool.
+
+    Args:
+        attention_mask: the forward's mask: ``generate``'s 2-D ``[B, >= columns]`` (0 = padding; its last
+            `columns` columns are the own ones, after a shared prefix's), a 4-D ``[B, 1, q, >= columns]``
+            (its last query row; bool, or additive float with 0 = attend), or None (all valid).
+        window: the sliding window every layer applies (keys older than it are invalid), or None.
+        out: where to write (static shapes: ``valid[:, :columns]`` of the cache's device validity).
+    """
+    if out is None:
+        out = torch.empty(batch, columns, dtype=torch.bool, device=device)
+    if attention_mask is None:
+        out.fill_(True)
+    elif attention_mask.dim() == 2:
+        torch.ne(attention_mask[:, -columns:], 0, out=out)
+    else:
+        mask = attention_mask[:, 0, -1, -columns:]
+        if mask.dtype != torch.bool:
+            mask = mask > torch.finfo(mask.dtype).min / 2
+        out.copy_(mask.expand(batch, columns))
+    if window is not None and columns > window:
+        out[:, : columns - window] = False
+    return out
+
+
 def nth_valid_columns(valid: torch.Tensor, ranks: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Column of the r-th valid token of each row (``NO_TOKEN`` where the row has fewer).
 

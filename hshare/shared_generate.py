@@ -24,6 +24,7 @@ import torch
 from hshare import compat
 from hshare.cache import HShareCache
 from hshare.generate_features import generation_setting, unshared_reason
+from hshare.patches import sliding_window
 from hshare.prefix import build_layout, detect_shared_prefix, unpadded_prompts
 from hshare.prefix_store import PrefixLevel, PrefixStore
 
@@ -38,16 +39,6 @@ def _prompt_mask(model, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
     if pad is not None and pad not in eos and bool((input_ids == pad).any()):
         return (input_ids != pad).long()
     return torch.ones_like(input_ids)
-
-
-def uniform_sliding_window(config) -> int | None:
-    """The sliding window every layer applies, or None (full attention; mixed windows are refused
-    when patching, `hshare.patches`)."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return window if window and all(t == "sliding_attention" for t in types) else None
-    return window if getattr(config, "use_sliding_window", True) else None
 
 
 def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple, kwargs: dict):
@@ -72,7 +63,7 @@ def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple
     pad = generation_setting(model, kwargs, "pad_token_id")
     layout = build_layout(prompts, shared, 0 if pad is None else int(pad))
     extra = layout.input_ids.shape[1] - ids.shape[1]  # the layout may be longer than the padded batch
-    window = uniform_sliding_window(model.config)  # a config's window that no layer applies does not count
+    window = sliding_window(model.config)  # a config's window that no layer applies does not count
     if window is not None:
         new_tokens = generation_setting(model, kwargs, "max_new_tokens")
         total = layout.input_ids.shape[1] + (new_tokens if new_tokens is not None

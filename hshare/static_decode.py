@@ -19,9 +19,10 @@ host from the step:
 3. **Fused elementwise work.** Inside the recorded steps the layers' norms, rotary embedding and MLP
    activation run compiled by inductor (`hshare.elementwise_fusion`, ``compile_elementwise``): what
    transformers' compiled StaticCache path fuses, without compiling the step itself.
-4. **Host bookkeeping outside the graph.** Lengths, the step counter, the query-group schedule,
-   the plan and the host counters advance on the host exactly as in eager decode; counters that
-   the forward adds on the host (scorings) are measured once at capture and added per replay.
+4. **Plan on the host, open in the graph.** Each step is planned on the host as in eager decode
+   (`hshare.step.StepPlanner.begin_static_step`: kind, schedule, plan, host counters); the captured
+   step opens it (the decoder's pre-hook: row windows from the device validity) and runs the layers,
+   so a replay rebuilds everything that depends on the rows' data.
 
 Why our own capture and not ``torch.compile`` (transformers' route for ``StaticCache``): the step's
 kind is host control flow (a compiled forward would guard on it and recompile or need the plan in
@@ -40,7 +41,6 @@ device), or a generation that outgrows its reserved length (it goes on eagerly).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import time
 import weakref
@@ -50,11 +50,12 @@ from typing import Any
 import torch
 from hshare import compat
 from hshare.cache import HShareCache
-from hshare.counters import DecodeStats
 from hshare.elementwise_fusion import ElementwiseFusion
 from hshare.graphs import StepGraphs
 from hshare.generate_features import eager_reason, generation_setting
-from hshare.shared_generate import uniform_sliding_window
+from hshare.patches import sliding_window
+from hshare.selection import own_key_validity
+from hshare.step import DecodeStep
 
 # Static shapes off CUDA (no graphs: every step runs eagerly on the static buffers). Only tests turn
 # it on: it is the CPU check that static-shape decode gives eager decode's tokens.
@@ -156,12 +157,12 @@ class StaticDecoder:
         self.new_tokens = new_tokens
         self.report = report
         self.model = model
-        self.window = uniform_sliding_window(model.config)
+        self.window = sliding_window(model.config)
         self.fusion: ElementwiseFusion | None = None
         self.graphs: StepGraphs | None = None
         self.inputs: dict[str, torch.Tensor] = {}
         self.constants: dict[str, Any] = {}
-        self.deltas: dict[str, dict[str, int]] = {}
+        self.steps: dict[str, DecodeStep] = {}  # the step each captured kind opened (its tensors are the graph's)
         self.cache: HShareCache | None = None
 
     def __call__(self, *args, **kwargs):
@@ -169,11 +170,13 @@ class StaticDecoder:
         ids = kwargs.get("input_ids")
         if args or not isinstance(cache, HShareCache) or ids is None or cache.filling_prefix or self.report.reason:
             return self.forward(*args, **kwargs)
-        if cache.own_length == 0:  # the rows' own prefill: reserve every buffer at its final size
+        if cache.own_length == 0:  # the rows' own prefill: every buffer reserved at its final size, then frozen
             if not cache.reserve:
                 cache.set_reserve(reserved_columns(ids.shape[1], self.new_tokens))
                 self.report.reserved = cache.reserve
-            return self.forward(**kwargs)
+            output = self.forward(**kwargs)
+            self._freeze(cache)
+            return output
         if ids.shape[1] != 1:
             return self._fall_back(cache, f"a forward of {ids.shape[1]} tokens after prefill", kwargs)
         return self._decode(cache, kwargs)
@@ -181,18 +184,21 @@ class StaticDecoder:
     # ---- one decode step ----------------------------------------------------------------
     def _decode(self, cache: HShareCache, kwargs: dict):
         if cache.static is None:
-            reason = self._freeze(cache, kwargs)
+            return self._fall_back(cache, "the cache was not frozen after its prefill", kwargs)
+        if not self.inputs:
+            reason = self._first_decode(cache, kwargs)
             if reason:
                 return self._fall_back(cache, reason, kwargs)
         if cache.own_length + 1 > cache.reserve:
             return self._fall_back(cache, f"the generation outgrew its reserved {cache.reserve} columns", kwargs)
+        kind = cache.planner.begin_static_step(cache).kind
         column = cache.own_length
         cache.advance(1)
         width = column + 1
         static = cache.static
         static.column.fill_(column)
-        self._set_validity(static.valid, kwargs.get("attention_mask"), width)
-        kind = cache.schedule_step(static.valid.shape[0], width, static.valid.device)
+        own_key_validity(kwargs.get("attention_mask"), static.valid.shape[0], width, self.window, static.valid.device,
+                         out=static.valid[:, :width])
         for name, buffer in self.inputs.items():
             buffer.copy_(kwargs[name])
         if self.graphs is None:  # static shapes without graphs (off CUDA: tests)
@@ -200,7 +206,7 @@ class StaticDecoder:
             self.report.eager_steps += 1
         elif kind in self.graphs:
             logits = self.graphs.replay(kind).clone()
-            _add_counts(cache.counts, self.deltas[kind])
+            cache.planner.current = self.steps[kind]
         else:
             logits = self._first_of_kind(cache, kind)
         return compat.causal_lm_output(logits, cache)
@@ -213,46 +219,53 @@ class StaticDecoder:
         signature = warm_signature(cache, kind)
         warmed = _WARMED.setdefault(self.model, set())
         if signature in warmed:
-            before = dataclasses.replace(cache.counts)
             try:
                 logits = self.graphs.capture_and_replay(kind, self._step).clone()
             except Exception:  # noqa: BLE001 - whatever the capture refused, the cold path below handles
-                _restore_counts(cache.counts, before)
                 warmed.discard(signature)
             else:
-                self.deltas[kind] = _counts_delta(before, cache.counts)
+                self.steps[kind] = cache.planner.current
                 return logits
         start = time.perf_counter()
         logits = self.graphs.eager(self._step)
         torch.cuda.synchronize(cache.static.valid.device)
         self.report.eager_seconds += time.perf_counter() - start
         self.report.eager_steps += 1
-        before = dataclasses.replace(cache.counts)
+        eager_step = cache.planner.current
         try:
             self.graphs.capture(kind, self._step)
         except Exception as error:  # noqa: BLE001 - anything the forward does that capture refuses
-            _restore_counts(cache.counts, before)
             self.report.reason = f"capturing a {kind!r} step failed: {type(error).__name__}: {error}"
+            cache.planner.current = eager_step
             cache.thaw()
         else:
-            self.deltas[kind] = _counts_delta(before, cache.counts)
-            _restore_counts(cache.counts, before)
+            self.steps[kind] = cache.planner.current
             warmed.add(signature)
         return logits
 
     def _step(self) -> torch.Tensor:
+        """One decode step over the static buffers (the decoder's pre-hook opens the planned step)."""
         with self.fusion.active() if self.fusion is not None else contextlib.nullcontext():
             return self.forward(**self.inputs, **self.constants, **{compat.CACHE_KWARG: self.cache},
                                 attention_mask=None, use_cache=True, return_dict=True).logits
 
-    def _freeze(self, cache: HShareCache, kwargs: dict) -> str | None:
-        if cache.reserve != cache.layers[0]._keys.capacity:
-            return "the cache's buffers were not reserved at the generation's final length"
+    def _freeze(self, cache: HShareCache) -> None:
+        """After the own prefill: the prefill's metadata built and the buffers frozen, so that the next
+        forward is planned as a static step (`hshare.step.StepPlanner.begin_forward`)."""
+        if cache.reserve != cache.own_capacity:
+            self.report.reason = "the cache's buffers were not reserved at the generation's final length"
+            return
+        cache.planner.finish_prefill(cache)
+        static = cache.freeze()
+        cache.planner.work.on(static.valid.device)  # before any capture: made in one, a replay would zero them
+        self.cache = cache
+
+    def _first_decode(self, cache: HShareCache, kwargs: dict) -> str | None:
+        """The step's input buffers, the graphs and the fused elementwise work, at the first decode step;
+        or why static decode cannot go on."""
         missing = [name for name in ("input_ids", "position_ids") if kwargs.get(name) is None]
         if missing:
             return f"generate passed no {', '.join(missing)}"
-        self.cache = cache
-        cache.freeze()
         self.inputs = {name: kwargs[name].clone() for name in _STEP_INPUTS if isinstance(kwargs.get(name), torch.Tensor)}
         self.constants = {name: value for name, value in compat.without_cache(kwargs).items()
                           if name not in (*_STEP_INPUTS, "attention_mask", "use_cache", "return_dict")
@@ -275,16 +288,6 @@ class StaticDecoder:
         self.report.fusion = error or "fused"
         self.fusion = None if error else fusion
 
-    def _set_validity(self, valid: torch.Tensor, mask: torch.Tensor | None, width: int) -> None:
-        """``valid[:, :width]`` from generate's 2-D mask (its last `width` columns are the own ones;
-        None = all valid), the sliding window applied (keys older than it are invalid)."""
-        if mask is None:
-            valid[:, :width] = True
-        else:
-            torch.ne(mask[:, -width:], 0, out=valid[:, :width])
-        if self.window is not None and width > self.window:
-            valid[:, : width - self.window] = False
-
     def _fall_back(self, cache: HShareCache, reason: str, kwargs: dict):
         """Decode eagerly from here on (same tokens), saying why."""
         self.report.reason = self.report.reason or reason
@@ -301,33 +304,19 @@ def warm_signature(cache: HShareCache, kind: str) -> tuple:
     kernels of the same shapes; only their data differ (new prompts, a new plan of the same shapes), so
     the second needs no eager warm-up before its capture. A signature that misses a specialisation costs
     a failed capture, after which the step runs eagerly (`StaticDecoder._first_of_kind`)."""
-    keys = cache.layers[0]._keys.storage
+    keys = cache.key_storage
+    planner = cache.planner
     # the plan's work per layer as shapes, as a set: which layer selects and which one it copies from
     # change the tensors a step reads, not the kernels or their shapes
     plan = frozenset((_shape(share.select_rows), tuple(sorted(_shape(rows) or () for _, rows in share.copy_groups)),
-                      tuple(share.source_heads.shape), share.all_heads) for share in cache.state.shares.values())
+                      tuple(share.source_heads.shape), share.all_heads) for share in planner.shares.values())
     prefix = None if cache.prefix is None else tuple(
         (level.groups, level.width, tuple(level.members.shape), level.key_valid is None, level.all_rows_in_order)
         for level in cache.prefix.levels)
     calibration = None if cache.calibration is None else tuple(cache.calibration.statistic.shape)
     return (kind, tuple(keys.shape), keys.dtype, cache.q_heads, cache.kv_heads, cache.sel_heads, repr(cache.config),
-            plan, prefix, calibration, cache.dense_throughout)
+            plan, prefix, calibration, planner.dense_throughout)
 
 
 def _shape(tensor: torch.Tensor | None) -> tuple | None:
     return None if tensor is None else tuple(tensor.shape)
-
-
-def _counts_delta(before: DecodeStats, after: DecodeStats) -> dict[str, int]:
-    return {f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(DecodeStats)
-            if getattr(after, f.name) != getattr(before, f.name)}
-
-
-def _restore_counts(counts: DecodeStats, saved: DecodeStats) -> None:
-    for f in dataclasses.fields(DecodeStats):
-        setattr(counts, f.name, getattr(saved, f.name))
-
-
-def _add_counts(counts: DecodeStats, delta: dict[str, int]) -> None:
-    for name, value in delta.items():
-        setattr(counts, name, getattr(counts, name) + value)

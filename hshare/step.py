@@ -1,37 +1,57 @@
-"""What one decode step decides, shared by every layer (HShare sections 4.2-4.3).
+"""One decode step, planned once before the model's layers run and then run by every layer.
 
-The host decides the step's *kind* from what it knows without reading the device: the step
-counter (query groups: a selection every ``query_group`` steps, HShare eq. 4 c), the KV size
-(`HShareConfig.dense_fallback_mib`) and whether any layer is sparse. Kinds:
+The split is FlashInfer's ``plan()`` / ``run()``:
 
-* ``"dense"``: every layer attends to all valid keys (no sparse layer, or the dense fallback);
-* ``"select"``: sparse layers (re)select heavy tokens, source layers and heads only (the plan);
-* ``"reuse"``: sparse layers reuse the heavy columns of the last selection (sink and local follow
-  the current step).
+* `StepPlanner.plan` (host only, no device read) decides the step's *kind* from the step counter
+  (query groups: a selection every ``query_group`` steps, HShare eq. 4 c), the KV size
+  (`HShareConfig.dense_fallback_mib`) and whether any layer is sparse, and builds the sharing plan
+  (Algorithm 1) at the first sparse step. Kinds:
 
-Everything that depends on the rows' data is a device tensor built once per step by the first
-layer (`DecodeStep.open`): the row windows (sink / middle / local geometry over the valid keys) and
-the step's share of the work counters. The sharing plan (Algorithm 1) is built once, at the first
-sparse step, and compiled to per-layer row and head index tensors (`LayerShare`). A step of one
-kind therefore runs the same device work every time: it can be captured once as a CUDA graph and
-replayed (`hshare.static_decode`).
+  - ``"dense"``: every layer attends to all valid keys (no sparse layer, or the dense fallback);
+  - ``"select"``: sparse layers (re)select heavy tokens, source layers and heads only (the plan);
+  - ``"reuse"``: sparse layers reuse the heavy columns of the last selection (sink and local follow
+    the current step).
+
+* `StepPlanner.open` builds what depends on the rows' data as device tensors, once for all layers:
+  the row windows (sink / middle / local geometry over the valid keys), the own columns beside a
+  shared prefix, the step's share of the work counters. The result, a frozen `DecodeStep`, is all
+  the registered attention function reads about the step (`hshare.attention`).
+
+Who calls them: a forward pre-hook on the model's decoder (`hshare.api`) begins every forward
+(`StepPlanner.begin_forward`): a prefill resets the schedule, an eager decode step is planned and
+opened there. Static-shape decode (`hshare.static_decode`) plans on the host
+(`StepPlanner.begin_static_step`) and the same pre-hook opens the step inside the captured graph
+from the cache's device validity, so a replay rebuilds the device half; a step of one kind therefore
+runs the same device work every time. The model's forward hook ends every forward
+(`StepPlanner.end_forward`): the prefill's selection metadata is built once the forward's
+activations are freed (`hshare.prefill_metadata`), and the step's scorings are counted on the host.
+
+The planner also keeps what spans steps of one generation: the schedule, the plan and its per-layer
+compiled form (`LayerShare`), the planner's evidence until the plan is built, and the counters
+(`hshare.counters`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from hshare import prefill_metadata
 from hshare.config import HShareConfig
 from hshare.counters import DecodeStats, WorkCounters
 from hshare.planner import SharingPlan, build_plan, identity_plan
-from hshare.selection import NO_TOKEN, RowWindows
+from hshare.selection import NO_TOKEN, RowWindows, own_key_validity
+
+if TYPE_CHECKING:
+    from hshare.cache import HShareCache
 
 STEP_KINDS = ("dense", "select", "reuse")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerShare:
     """The compiled plan of one sparse layer at selection steps (built once per plan).
 
@@ -44,144 +64,277 @@ class LayerShare:
     """
 
     select_rows: torch.Tensor | None
-    copy_groups: list[tuple[int, torch.Tensor | None]]
+    copy_groups: tuple[tuple[int, torch.Tensor | None], ...]
     source_heads: torch.Tensor
     head_slot: torch.Tensor
     all_heads: bool
 
+    def scorings(self, batch: int) -> int:
+        """(row, selection head) scorings this layer computes at a selection step of `batch` rows."""
+        rows = batch if self.select_rows is None else len(self.select_rows)
+        return rows * self.source_heads.shape[1]
 
-@dataclass
-class DecodeStep:
-    """Step-level state shared by all layers: the host schedule and the step's device tensors.
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The host half of a decode step (`StepPlanner.plan`).
 
     Attributes:
-        step: decode steps so far in this generation.
-        kind: this step's kind (`STEP_KINDS`).
-        last_selection: the step of the last selection (None: the next sparse step selects).
-        windows: this step's `RowWindows` (sparse steps).
-        valid: ``[B, n]`` key validity of this step's own columns.
-        own_columns: ``[B, Hkv, n]`` the valid own columns (exact attention beside a shared prefix).
-        plan: the sharing plan; shares: its per-layer compiled form.
-        head_similarity, layer_similarity: the planner's evidence, per layer, until planned.
+        kind: one of `STEP_KINDS`.
+        shares: sparse layer -> its compiled plan (empty for a dense step).
+        lookahead: ranks a selection step's `RowWindows.selectable` reaches into the local window.
     """
 
-    step: int = 0
-    kind: str = "dense"
-    last_selection: int | None = None
-    windows: RowWindows | None = None
-    valid: torch.Tensor | None = None
-    own_columns: torch.Tensor | None = None
-    plan: SharingPlan | None = None
-    shares: dict[int, LayerShare] = field(default_factory=dict)
-    head_similarity: dict[int, torch.Tensor] = field(default_factory=dict)
-    layer_similarity: dict[int, torch.Tensor] = field(default_factory=dict)
+    kind: str
+    shares: dict[int, LayerShare]
+    lookahead: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """What every layer of one decode forward runs (`StepPlanner.open`); nothing in it changes
+    during the forward.
+
+    Attributes:
+        kind: one of `STEP_KINDS`.
+        shares: sparse layer -> its compiled plan (`LayerShare`; empty for a dense step).
+        valid: ``[B, n]`` key validity of the decode query over the own columns (static shapes: every
+            reserved column, those not yet written False).
+        windows: the rows' `RowWindows` (sparse steps; None for a dense step).
+        own_columns: ``[B, Hkv, n]`` every valid own column (``NO_TOKEN`` elsewhere): exact attention
+            over the own part beside a shared prefix (None without a prefix).
+    """
+
+    kind: str
+    shares: dict[int, LayerShare]
+    valid: torch.Tensor
+    windows: RowWindows | None
+    own_columns: torch.Tensor | None
 
     @property
     def selecting(self) -> bool:
         return self.kind == "select"
 
     @property
-    def dense_fallback(self) -> bool:
+    def dense(self) -> bool:
         return self.kind == "dense"
 
-    def begin_prefill(self) -> None:
-        """A prefill forward invalidates the plan and the last selection."""
-        self.plan, self.shares, self.last_selection = None, {}, None
 
-    def schedule(self, config: HShareConfig, counts: DecodeStats, sparse: bool, layer_kv_bytes: int,
-                 device: torch.device) -> str:
-        """Decide the kind of the next decode step (host only: no device read).
+@dataclass
+class StepPlanner:
+    """The decode schedule of one generation, and what the steps did.
+
+    Args:
+        config: the validated `HShareConfig`.
+        num_layers: the model's layers.
+        sliding_window: the window every layer applies (keys older than it are invalid), or None.
+
+    Attributes:
+        sparse_layers: layers that may attend sparsely (all but ``config.dense_layers``).
+        step: decode steps so far; last_selection: the step of the last selection (None: the next
+            sparse step selects).
+        sharing: the sharing plan (Algorithm 1); shares: its per-layer compiled form.
+        dense_throughout: decided after the own prefill of a reserved cache: True when even the
+            reserved final length stays below the dense fallback, so every decode step is dense and
+            no selection metadata is ever built.
+        head_similarity, layer_similarity, keep: the planner's evidence per sparse layer (prefill
+            keep-sets), until the plan is built.
+        pending: what each sparse layer's last prefill left for its metadata (`hshare.prefill_metadata`).
+        prefill_valid: the key validity the sparse layers of the running prefill forward share.
+        counts: the host counters; work: the device ones (`hshare.counters`).
+        forward: what the running forward is, ``"prefill"`` or ``"decode"`` (None between forwards: the
+            attention function refuses to run an unplanned forward).
+        current: the step the layers of the running (or last) decode forward read.
+        planned: the running decode forward's plan (static shapes open it inside their graph).
+    """
+
+    config: HShareConfig
+    num_layers: int
+    sliding_window: int | None = None
+    sparse_layers: list[int] = field(init=False)
+    step: int = 0
+    last_selection: int | None = None
+    sharing: SharingPlan | None = None
+    shares: dict[int, LayerShare] = field(default_factory=dict)
+    dense_throughout: bool | None = None
+    head_similarity: dict[int, torch.Tensor] = field(default_factory=dict)
+    layer_similarity: dict[int, torch.Tensor] = field(default_factory=dict)
+    keep: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending: dict[int, prefill_metadata.PendingPrefill] = field(default_factory=dict)
+    prefill_valid: tuple[tuple, torch.Tensor] | None = None
+    counts: DecodeStats = field(default_factory=DecodeStats)
+    work: WorkCounters = field(default_factory=WorkCounters)
+    forward: str | None = None
+    current: DecodeStep | None = None
+    planned: StepPlan | None = None
+
+    def __post_init__(self) -> None:
+        dense = set(self.config.dense_layers)
+        self.sparse_layers = [i for i in range(self.num_layers) if i not in dense] if self.config.sparse else []
+        self._sparse = frozenset(self.sparse_layers)
+
+    # ---- layer roles --------------------------------------------------------------------
+    def is_sparse(self, layer: int) -> bool:
+        """Whether `layer` keeps selection metadata and may attend sparsely."""
+        return layer in self._sparse and not self.dense_throughout
+
+    @property
+    def collects_evidence(self) -> bool:
+        """Whether prefill records keep-sets (only when a greedy plan will use them)."""
+        return bool(self.sparse_layers) and self.config.shares_layers_or_heads and self.config.planner == "greedy"
+
+    def earlier_keep_sets(self, layer: int) -> list[torch.Tensor]:
+        return [self.keep[i] for i in self.sparse_layers if i < layer and i in self.keep]
+
+    # ---- a forward begins and ends --------------------------------------------------------
+    def begin_forward(self, cache: HShareCache, query_length: int, attention_mask: torch.Tensor | None) -> None:
+        """Before layer 0 of a forward over `cache` (the decoder's forward pre-hook, `hshare.api`): a prefill
+        (more than one query, the rows' first own token, or a shared-prefix fill) resets the schedule; a
+        decode step is planned and opened over the forward's mask. A static-shape step, planned on the host
+        by `begin_static_step`, is opened over the cache's device validity (inside a captured graph).
 
         Args:
-            sparse: the model has sparse layers.
-            layer_kv_bytes: bytes of one layer's own keys and values at this step (what dense
-                attention reads; the dense fallback compares it with its threshold).
+            attention_mask: the forward's mask: generate's 2-D ``[B, columns]`` (its last own columns
+                are the rows' own ones), a 4-D ``[B, 1, q, columns]`` mask, or None (all valid).
         """
+        if cache.static is not None and self.forward == "decode" and self.planned is not None:
+            self.open(cache, self.planned, cache.static.valid)
+            return
+        if query_length != 1 or not cache.own_length or cache.filling_prefix:
+            self.begin_prefill(cache)
+            self.forward = "prefill"
+            return
+        self.forward = "decode"
+        self.planned = self.plan(cache, cache.rows, cache.own_length + 1)
+        valid = own_key_validity(attention_mask, cache.rows, cache.own_length + 1, self.sliding_window,
+                                 cache.storage_device)
+        self.open(cache, self.planned, valid)
+
+    def begin_static_step(self, cache: HShareCache) -> StepPlan:
+        """A static-shape decode step (`hshare.static_decode`), planned on the host before its token is
+        stored; `begin_forward` opens it inside the step's graph."""
+        self.forward = "decode"
+        self.planned = self.plan(cache, cache.rows, cache.own_length + 1)
+        return self.planned
+
+    def end_forward(self, cache: HShareCache) -> None:
+        """After a forward: the prefill's selection metadata (built now that the forward's activations
+        are freed) and the host count of a selection step's scorings (a replayed graph ran no Python)."""
+        self.finish_prefill(cache)
+        if self.planned is not None and self.planned.kind == "select":
+            self._count_scorings(cache, self.planned)
+        self.planned, self.forward = None, None
+
+    def begin_prefill(self, cache: HShareCache) -> None:
+        """A prefill forward invalidates the plan and the selections of earlier steps."""
+        self.finish_prefill(cache)
+        self.sharing, self.shares, self.last_selection, self.current, self.planned = None, {}, None, None, None
+        cache.drop_selections()
+
+    def finish_prefill(self, cache: HShareCache) -> None:
+        """Build what the last prefill forward left to its sparse layers (nothing when none is pending).
+        After the own prefill of a reserved cache, first decide `dense_throughout`: then no metadata is
+        built and the layers' policies are dropped."""
+        if (self.dense_throughout is None and cache.reserve and self.sparse_layers and cache.own_length
+                and not cache.filling_prefix):
+            fallback = self.config.dense_fallback_bytes(cache.storage_device)
+            self.dense_throughout = cache.layer_kv_bytes(cache.rows, cache.reserve) < fallback
+            if self.dense_throughout:
+                self.pending = {}
+                cache.drop_policies()
+        for layer in sorted(self.pending):
+            prefill_metadata.complete(cache, self, layer)
+        self.prefill_valid = None
+
+    # ---- plan ---------------------------------------------------------------------------
+    def plan(self, cache: HShareCache, batch: int, columns: int) -> StepPlan:
+        """Decide the next decode step (host only: no device read) and build the sharing plan at the first
+        sparse step (one host sync per plan).
+
+        Args:
+            batch: rows; columns: own columns of every row at this step (the new token included).
+        """
+        self.finish_prefill(cache)
+        config, counts = self.config, self.counts
         self.step += 1
         counts.decode_steps += 1
-        if not sparse:
-            self.kind = "dense"
-        elif layer_kv_bytes < config.dense_fallback_bytes(device):  # too small for sparse to pay
+        if not self.sparse_layers:
+            return StepPlan("dense", {})
+        if self.dense_throughout or cache.layer_kv_bytes(batch, columns) < config.dense_fallback_bytes(cache.storage_device):
             counts.dense_fallback_steps += 1
-            self.kind, self.last_selection = "dense", None  # the next sparse step selects
+            self.last_selection = None  # the next sparse step selects
+            return StepPlan("dense", {})
+        # Query groups follow one schedule for the whole batch (steps 1, 1 + a, ...), also while every
+        # row is within the budget: a row's selections never depend on its batch mates.
+        due = self.last_selection is None or self.step - self.last_selection >= config.query_group
+        if due:
+            self.last_selection = self.step
+            counts.selection_steps += int(config.heavy > 0)
+        if self.sharing is None:
+            self._make_plan(cache, batch)
+        selecting = due and config.heavy > 0
+        lookahead = config.query_group - 1 if selecting and config.group_lookahead else 0
+        return StepPlan("select" if selecting else "reuse", self.shares, lookahead)
+
+    def open(self, cache: HShareCache, plan: StepPlan, valid: torch.Tensor) -> DecodeStep:
+        """Build the step's device tensors from the own columns' validity ``[B, n]`` and make it the
+        current step. Static shapes (``cache.static``) never read the device (`RowWindows.all_short`
+        stays False; short rows are exact through their critical indices anyway)."""
+        config, static = self.config, cache.static is not None
+        own_keys = valid.sum()
+        prefix_tokens = None if cache.prefix is None else cache.prefix.read_tokens(valid.device)
+        windows = None
+        if plan.kind == "dense":
+            self.work.begin_step(own_keys, self.num_layers, cache.kv_heads, prefix_tokens)
         else:
-            # Query groups follow one schedule for the whole batch (steps 1, 1 + a, ...), also while
-            # every row is within the budget: a row's selections never depend on its batch mates.
-            due = self.last_selection is None or self.step - self.last_selection >= config.query_group
-            if due:
-                self.last_selection = self.step
-                counts.selection_steps += int(config.heavy > 0)
-            self.kind = "select" if due and config.heavy > 0 else "reuse"
-        return self.kind
-
-    def open(self, config: HShareConfig, valid: torch.Tensor, work: WorkCounters, layers: int,
-             prefix_tokens: tuple[torch.Tensor, torch.Tensor] | None, static: bool) -> None:
-        """Build the step's device tensors (called by the first layer of the decode forward).
-
-        Args:
-            valid: ``[B, n]`` key validity of the decode query over the own columns.
-            static: static shapes (a captured step): never read the device (`RowWindows.all_short`
-                stays False; short rows are exact through their critical indices anyway).
-        """
-        self.valid, self.own_columns, self.windows = valid, None, None
-        if self.kind == "dense":
-            work.begin_step(valid.sum(), layers, prefix_tokens)
-            return
-        lookahead = config.query_group - 1 if self.selecting and config.group_lookahead else 0
-        self.windows = RowWindows.build(valid, config.sink, config.local, config.budget, lookahead, sync=not static)
-        work.begin_step(valid.sum(), layers, prefix_tokens, sparse_rows=~self.windows.short)
-
-    def own_valid_columns(self, kv_heads: int) -> torch.Tensor:
-        """``[B, Hkv, n]`` every valid own column of this step (``NO_TOKEN`` elsewhere), built once."""
-        if self.own_columns is None:
-            valid = self.valid
+            windows = RowWindows.build(valid, config.sink, config.local, config.budget, plan.lookahead,
+                                       sync=not static)
+            self.work.begin_step(own_keys, self.num_layers, cache.kv_heads, prefix_tokens, sparse_rows=~windows.short)
+        own_columns = None
+        if cache.prefix is not None:
             columns = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
             own = torch.where(valid, columns, torch.full_like(columns, NO_TOKEN))
-            self.own_columns = own[:, None].expand(-1, kv_heads, -1).contiguous()
-        return self.own_columns
+            own_columns = own[:, None].expand(-1, cache.kv_heads, -1).contiguous()
+        self.current = DecodeStep(plan.kind, plan.shares, valid, windows, own_columns)
+        return self.current
 
-    # ---- the plan -----------------------------------------------------------------------
-    def make_plan(self, config: HShareConfig, counts: DecodeStats, sparse_layers: list[int], num_layers: int,
-                  sel_heads: int, batch: int, device: torch.device) -> None:
-        """Build and compile the sharing plan from the prefill evidence (one host sync).
-
-        Args:
-            sel_heads: H_sel of this process (`HShareCache.set_heads`: a tensor-parallel rank's own
-                selection heads), the size of the evidence's head dimensions.
-        """
+    def _make_plan(self, cache: HShareCache, batch: int) -> None:
+        """Build and compile the sharing plan from the prefill evidence (one host sync)."""
+        config = self.config
         if not config.shares_layers_or_heads:
-            plan = identity_plan(num_layers, sel_heads, device)
+            plan = identity_plan(self.num_layers, cache.sel_heads, cache.storage_device)
         else:
             generator = torch.Generator().manual_seed(config.seed) if config.planner == "random" else None
             plan = build_plan(
-                self.head_similarity, self.layer_similarity, sparse_layers, num_layers, sel_heads,
-                config.layer_sharing, config.head_sharing, config.plan_scope == "sample", batch, device, generator,
+                self.head_similarity, self.layer_similarity, self.sparse_layers, self.num_layers, cache.sel_heads,
+                config.layer_sharing, config.head_sharing, config.plan_scope == "sample", batch, cache.storage_device,
+                generator,
             )
-            counts.plans += 1
-        self.head_similarity, self.layer_similarity = {}, {}
-        self.compile_plan(plan, sparse_layers, sel_heads)
+            self.counts.plans += 1
+        self.head_similarity, self.layer_similarity, self.keep = {}, {}, {}
+        self._compile(plan, cache.sel_heads)
 
-    def compile_plan(self, plan: SharingPlan, sparse_layers: list[int], sel_heads: int) -> None:
+    def _compile(self, plan: SharingPlan, sel_heads: int) -> None:
         """Turn the plan into per-layer row and head index tensors (one host sync per plan)."""
-        self.plan = plan
+        self.sharing = plan
         layer_source = plan.layer_source.cpu()
         head_source = plan.head_source.cpu()
         device = plan.layer_source.device
         heads = torch.arange(sel_heads)
         shares = {}
-        for layer in sparse_layers:
+        for layer in self.sparse_layers:
             sources = layer_source[:, layer]  # [P]
             if plan.per_sample:
                 mine = (sources == layer).nonzero().flatten()
                 select_rows = mine.to(device) if len(mine) < len(sources) else None
-                copy_groups = [
+                copy_groups = tuple(
                     (int(src), (sources == src).nonzero().flatten().to(device))
                     for src in sources.unique().tolist() if src != layer
-                ]
+                )
             else:
                 own = int(sources[0]) == layer
                 select_rows = None if own else torch.zeros(0, dtype=torch.long, device=device)
-                copy_groups = [] if own else [(int(sources[0]), None)]
+                copy_groups = () if own else ((int(sources[0]), None),)
             head_src = head_source[layer]  # [P, H]
             is_source = head_src == heads  # [P, H]
             source_heads = heads.expand_as(head_src)[is_source].reshape(len(head_src), -1)  # same count per row
@@ -194,3 +347,35 @@ class DecodeStep:
                 all_heads=bool(is_source.all()),
             )
         self.shares = shares
+
+    def _count_scorings(self, cache: HShareCache, plan: StepPlan) -> None:
+        """Host counters of a selection step: (row, layer, head) scorings and the units they scored, in each
+        policy's own unit (`SelectionPolicy.unit`, `SelectionPolicy.scored_units` after the step's token)."""
+        batch = cache.rows
+        for layer, share in plan.shares.items():
+            scorings = share.scorings(batch)
+            if not scorings:
+                continue
+            policy = cache.layers[layer].policy
+            self.counts.score_computations += scorings
+            units = scorings * policy.scored_units()
+            if policy.unit == "pages":
+                self.counts.scored_pages += units
+            else:
+                self.counts.scored_tokens += units
+
+    # ---- storage changes ------------------------------------------------------------------
+    def select_rows(self, cache: HShareCache, rows: torch.Tensor) -> None:
+        """Batch rows were reordered / selected / repeated (beam search): a per-sample plan follows them."""
+        if self.sharing is not None and self.sharing.per_sample:
+            self._compile(self.sharing.select_rows(rows.to(self.sharing.layer_source.device)), cache.sel_heads)
+
+    def cropped(self) -> None:
+        """Columns were removed: selections may point past the end, the next sparse step selects."""
+        self.last_selection = None
+
+    # ---- counters -----------------------------------------------------------------------
+    def stats(self) -> DecodeStats:
+        """The generation's counters; the data-dependent ones are read from the device (one host sync)."""
+        read, dense, sparse_steps = self.work.totals()
+        return dataclasses.replace(self.counts, kv_rows_read=read, dense_kv_rows=dense, sparse_steps=sparse_steps)

@@ -25,7 +25,7 @@ still run). Unknown model types are never accepted silently.
 
 from __future__ import annotations
 
-from .base import ArchitectureAdapter, head_dim
+from .base import ArchitectureAdapter, head_dim, sliding_window
 from .features import UnsupportedFeature, find_unsupported
 from .gemma import GEMMA
 from .granite import GRANITE
@@ -87,4 +87,4 @@ def adapter_for(model) -> ArchitectureAdapter:
 
 
 __all__ = ["ADAPTERS", "ArchitectureAdapter", "UnsupportedFeature", "UnsupportedModelError", "adapter_for",
-           "find_unsupported", "head_dim", "register"]
+           "find_unsupported", "head_dim", "register", "sliding_window"]

@@ -32,3 +32,14 @@ def head_dim(config) -> int:
     """The size of an attention head: ``config.head_dim`` where the architecture sets one (Gemma, Qwen3 may
     differ from hidden / heads), else ``hidden_size // num_attention_heads``. The one place hshare derives it."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window(config) -> int | None:
+    """The sliding window every layer applies (keys older than it are invalid), or None: full attention,
+    or a window the config names but no layer applies. Mixed windows are refused when patching
+    (`hshare.patches.features`)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if window and all(t == "sliding_attention" for t in types) else None
+    return window if getattr(config, "use_sliding_window", True) else None

@@ -157,7 +157,7 @@ def test_one_sliding_window_in_every_layer_is_respected(model_type):
     with hshare.patched(model, "hshare-1_2-1_2-1_2", sink=2, local=3, heavy=5):
         cache = hshare.new_cache(model)
         greedy(model, ids, mask, new_tokens=8, past_key_values=cache)
-    windows = cache.state.windows
+    windows = cache.planner.current.windows
     assert windows.n_valid.tolist() == [24, 24]
     for layer in cache.layers:
         chosen = windows.critical_indices(layer.heavy)

@@ -194,7 +194,7 @@ def test_stats_are_plain_ints_read_from_device_counters():
     with hshare.patched(model, "ds", **SMALL):
         cache = hshare.new_cache(model)
         greedy(model, ids, mask, new_tokens=4, past_key_values=cache)
-    assert all(t.dtype == torch.int64 and t.shape == (3,) for t in cache.work.work.values())
+    assert all(t.dtype == torch.int64 and t.shape == (3,) for t in cache.planner.work.work.values())
     first = cache.stats
     assert all(type(v) is int for v in dataclasses.asdict(first).values())
     first.kv_rows_read = -1  # a snapshot: changing it changes nothing in the cache

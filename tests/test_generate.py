@@ -178,7 +178,7 @@ def test_mistral_sliding_window_respected(padded):
     with hshare.patched(model, "hshare-1_2-1_2-1_2", sink=2, local=3, heavy=5):
         cache = hshare.new_cache(model)
         greedy(model, ids, mask, new_tokens=12, past_key_values=cache)
-    windows = cache.state.windows
+    windows = cache.planner.current.windows
     assert windows.n_valid.tolist() == [24] * len(ids)
     for layer in cache.layers:
         chosen = windows.critical_indices(layer.heavy)

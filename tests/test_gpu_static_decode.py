@@ -136,14 +136,14 @@ def test_no_host_sync_in_a_replayed_step(monkeypatch, preset):
     decode = static_decode.StaticDecoder._decode
 
     def strict(self, cache, kwargs):
-        if cache.state.step < 2:
+        if cache.planner.step < 2:
             return decode(self, cache, kwargs)
         torch.cuda.set_sync_debug_mode("error")
         try:
             out = decode(self, cache, kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        checked.append(cache.state.step)
+        checked.append(cache.planner.step)
         return out
 
     monkeypatch.setattr(static_decode.StaticDecoder, "_decode", strict)

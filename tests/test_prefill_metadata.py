@@ -18,8 +18,9 @@ def metadata_during_prefill(model, cache):
 
     def record(module, args, output):
         if args[0].shape[1] > 1:  # a prefill forward (several query rows)
-            seen.append([(layer.policy is not None, layer.policy.length if layer.policy is not None else None,
-                          layer.pending is not None) for layer in (cache.layers[i] for i in cache.sparse_layers)])
+            seen.append([(cache.layers[i].policy is not None,
+                          cache.layers[i].policy.length if cache.layers[i].policy is not None else None,
+                          i in cache.planner.pending) for i in cache.sparse_layers])
 
     return seen, model.model.layers[-1].mlp.register_forward_hook(record)
 
@@ -44,7 +45,7 @@ def test_metadata_is_built_after_the_prefill_forward(preset):
     columns = ids.shape[1]
     for index in cache.sparse_layers:
         layer = cache.layers[index]
-        assert layer.pending is None and layer.policy.length == columns
+        assert index not in cache.planner.pending and layer.policy.length == columns
     if cache.config.policy == "labels":  # the labels are those of the cached keys
         for index in cache.sparse_layers:
             layer, policy = cache.layers[index], cache.layers[index].policy
@@ -55,8 +56,8 @@ def test_metadata_is_built_after_the_prefill_forward(preset):
             assert torch.equal(policy.codes.view(), codes)
             assert torch.equal(policy.scale.view(), scale) and torch.equal(policy.zero.view(), zero)
     if cache.config.shares_layers_or_heads:  # the planner's evidence of every sparse layer is there
-        assert sorted(cache.state.head_similarity) == cache.sparse_layers
-        assert sorted(cache.state.layer_similarity) == cache.sparse_layers
+        assert sorted(cache.planner.head_similarity) == cache.sparse_layers
+        assert sorted(cache.planner.layer_similarity) == cache.sparse_layers
 
 
 def test_a_forward_without_the_model_hook_is_completed_before_decode():
@@ -70,14 +71,14 @@ def test_a_forward_without_the_model_hook_is_completed_before_decode():
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden = model.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                              use_cache=True).last_hidden_state
-        assert all(cache.layers[i].pending is not None for i in cache.sparse_layers)
+        assert all(i in cache.planner.pending for i in cache.sparse_layers)
         first = model.lm_head(hidden[:, -1]).argmax(-1, keepdim=True)
         tokens = [first]
         for step in range(3):
             mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
             out = model(input_ids=tokens[-1], attention_mask=mask, position_ids=positions[:, -1:] + step + 1,
                         past_key_values=cache, use_cache=True)
-            assert all(cache.layers[i].pending is None for i in cache.sparse_layers)
+            assert not cache.planner.pending
             tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
     assert torch.equal(torch.cat(tokens, dim=1), want[:, ids.shape[1]:])
 
@@ -94,7 +95,7 @@ def test_evidence_held_through_the_forward_is_what_the_policy_scores(preset):
 
     def record(module, args, output):
         if args[0].shape[1] > 1:
-            held.extend(cache.layers[i].pending for i in cache.sparse_layers)
+            held.extend(cache.planner.pending[i] for i in cache.sparse_layers)
 
     with hshare.patched(model, preset, **SMALL):
         cache = hshare.new_cache(model)
@@ -106,7 +107,7 @@ def test_evidence_held_through_the_forward_is_what_the_policy_scores(preset):
     config, rows = cache.config, cache.config.plan_rows
     assert len(held) == len(cache.sparse_layers) > 1
     assert all(pending.valid is held[0].valid for pending in held)  # one copy of the keys' validity per forward
-    assert held[0].valid._base is None and cache.prefill_valid is None  # a copy, dropped once complete
+    assert held[0].valid._base is None and cache.planner.prefill_valid is None  # a copy, dropped once complete
     for evidence in (pending.evidence_query for pending in held):
         assert evidence._base is None
         if config.policy == "labels":

@@ -209,7 +209,7 @@ def test_sparse_own_part_selection_independent_of_sharing(monkeypatch, preset, o
         cache = hshare.new_cache(model)
         batch_tokens, _ = run(model, ids, mask, new_tokens=9, cache=cache)
         assert cache.prefix.width == 30 and cache.stats.sparse_steps > 0
-        own_width = cache.layers[0]._keys.length
+        own_width = cache.layers[0].key_buffer.length
         batch_heavy = {i: cache.layers[i].heavy for i in cache.sparse_layers}
 
         import hshare.shared_generate as shared_generate
@@ -221,7 +221,7 @@ def test_sparse_own_part_selection_independent_of_sharing(monkeypatch, preset, o
             row_tokens, _ = run(model, prompt[None], torch.ones(1, len(prompt), dtype=torch.long), new_tokens=9,
                                 cache=alone)
             assert torch.equal(row_tokens[0, len(prompt):], batch_tokens[row, ids.shape[1]:])
-            offset = own_width - alone.layers[0]._keys.length  # the gap before this row's own part
+            offset = own_width - alone.layers[0].key_buffer.length  # the gap before this row's own part
             for layer, heavy in batch_heavy.items():
                 mine = heavy[row]
                 shifted = torch.where(mine >= 0, mine - offset, torch.full_like(mine, NO_TOKEN))

@@ -126,8 +126,8 @@ def test_buffers_are_sized_exactly_once():
     assert cache.reserve == cache.static_decode.reserved == reserve and cache.static_decode.reason == ""
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     for layer in cache.layers:
-        assert layer._keys.storage.shape == (2, 2, reserve, head_dim)
-        assert layer._values.storage.shape == (2, 2, reserve, head_dim)
+        assert layer.key_buffer.storage.shape == (2, 2, reserve, head_dim)
+        assert layer.value_buffer.storage.shape == (2, 2, reserve, head_dim)
         for buffer in layer.policy.buffers:
             assert buffer.capacity == reserve
     # every column written: the last decode step's token sits in the last column, every buffer followed
@@ -153,7 +153,7 @@ def test_outgrowing_the_reserve_goes_on_eagerly(monkeypatch, preset, overrides):
     static, cache = _run(model, preset, ids, mask, static=True, new_tokens=10, **overrides)
     assert "outgrew its reserved" in cache.static_decode.reason
     assert torch.equal(static, eager)
-    assert cache.static is None and cache.layers[0]._keys.capacity > cache.reserve  # grew after thawing
+    assert cache.static is None and cache.own_capacity > cache.reserve  # grew after thawing
     if preset.startswith("quest"):  # the pages went on growing from where the static steps left them
         policy = cache.layers[1].policy
         assert policy.frozen_width is None and policy.length == cache.own_length
@@ -180,7 +180,7 @@ def test_generation_below_the_dense_fallback_makes_no_labels(monkeypatch, outgro
     fallback_mib = (layer_bytes + 1) / 2**20  # the reserve is below it, one more column is not
     static, cache = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True, new_tokens=new_tokens,
                          dense_fallback_mib=fallback_mib, **SPARSE)
-    assert cache.dense_throughout is True
+    assert cache.planner.dense_throughout is True
     assert all(layer.policy is None for layer in cache.layers)
     stats = cache.stats
     assert stats.sparse_steps == 0 and stats.dense_fallback_steps == stats.decode_steps == new_tokens - 1
@@ -189,7 +189,7 @@ def test_generation_below_the_dense_fallback_makes_no_labels(monkeypatch, outgro
     # a reserve one column over the fallback makes labels (and the eager path always does)
     _, above = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True, new_tokens=new_tokens,
                     dense_fallback_mib=(layer_bytes - 1) / 2**20, **SPARSE)
-    assert above.dense_throughout is False and all(layer.policy is not None for layer in above.layers)
+    assert above.planner.dense_throughout is False and all(layer.policy is not None for layer in above.layers)
 
 
 @pytest.mark.parametrize("setup,reason", [
@@ -298,8 +298,8 @@ def test_warm_signature_is_the_shapes_not_the_data():
         ids, mask = left_padded(lengths)
         _, cache = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True,
                         **dict(SPARSE, dense_fallback_mib=0, **overrides))
-        assert cache.static_decode.reason == "" and cache.state.shares
-        plan = cache.state.plan
+        assert cache.static_decode.reason == "" and cache.planner.shares
+        plan = cache.planner.sharing
         return static_decode.warm_signature(cache, kind), (plan.layer_source.tolist(), plan.head_source.tolist())
 
     first, first_plan = signature([30, 22, 27])

@@ -209,12 +209,12 @@ def test_planner_reads_head_counts_from_tensors(selection):
     sel = 2 if selection == "kv_head" else 4
     assert cache.heads == HeadShard(4, 2, ranks=2, rank=None, group=None)
     assert (cache.q_heads, cache.kv_heads, cache.sel_heads) == (4, 2, sel)
-    assert cache.state.plan.head_source.shape == (LAYERS, 1, sel)
+    assert cache.planner.sharing.head_source.shape == (LAYERS, 1, sel)
     assert all(layer.heavy.shape[1] == sel for layer in cache.layers if layer.heavy is not None)
     # round(1/2 * H_sel) heads of round(1/2 * L) layers score each selection, for each of the 3 rows
     stats = cache.stats
     assert stats.score_computations == stats.selection_steps * 2 * sources_for_ratio(0.5, sel) * 3
-    assert int(cache.state.plan.head_source.max()) < sel
+    assert int(cache.planner.sharing.head_source.max()) < sel
 
 
 def test_unknown_head_split_refuses_a_calibration(tmp_path):

@@ -25,7 +25,7 @@ def run_case(model, case: dict, batch: dict, new_tokens: int) -> dict:
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, past_key_values=cache,
                              output_logits=True, return_dict_in_generate=True)
-    plan = cache.state.plan
+    plan = cache.planner.sharing
     return {
         "tokens": out.sequences.cpu(),
         "logits": torch.stack(out.logits, 1).float().cpu(),
