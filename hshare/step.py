@@ -167,6 +167,7 @@ class StepPlanner:
     forward: str | None = None
     current: DecodeStep | None = None
     planned: StepPlan | None = None
+    _select_scorings: tuple[int, int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         dense = set(self.config.dense_layers)
@@ -347,22 +348,24 @@ class StepPlanner:
                 all_heads=bool(is_source.all()),
             )
         self.shares = shares
+        self._select_scorings = None  # (rows, scorings of a selection step), summed at the first one
 
     def _count_scorings(self, cache: HShareCache, plan: StepPlan) -> None:
-        """Host counters of a selection step: (row, layer, head) scorings and the units they scored, in each
-        policy's own unit (`SelectionPolicy.unit`, `SelectionPolicy.scored_units` after the step's token)."""
-        batch = cache.rows
-        for layer, share in plan.shares.items():
-            scorings = share.scorings(batch)
-            if not scorings:
-                continue
-            policy = cache.layers[layer].policy
-            self.counts.score_computations += scorings
-            units = scorings * policy.scored_units()
-            if policy.unit == "pages":
-                self.counts.scored_pages += units
-            else:
-                self.counts.scored_tokens += units
+        """Host counters of a selection step: (row, layer, head) scorings and the units they scored, in the
+        policy's own unit (`SelectionPolicy.unit`; `SelectionPolicy.scored_units` after the step's token,
+        the same for every sparse layer). O(1): the scorings of a selection step are summed per plan."""
+        if self._select_scorings is None or self._select_scorings[0] != cache.rows:
+            rows = cache.rows
+            self._select_scorings = (rows, sum(share.scorings(rows) for share in plan.shares.values()))
+        scorings = self._select_scorings[1]
+        if not scorings:
+            return
+        policy = cache.layers[self.sparse_layers[0]].policy
+        self.counts.score_computations += scorings
+        if policy.unit == "pages":
+            self.counts.scored_pages += scorings * policy.scored_units()
+        else:
+            self.counts.scored_tokens += scorings * policy.scored_units()
 
     # ---- storage changes ------------------------------------------------------------------
     def select_rows(self, cache: HShareCache, rows: torch.Tensor) -> None:
