@@ -4,7 +4,7 @@
 # Every part installs nothing more than the checkout (done once here) and writes its log under $OUT.
 #   suite      the whole fast test suite on the GPU, gpu_check.py, `hshare bench prefix` and `bench attention`
 #   tests      the GPU tests of static decode, prefill metadata and the decode kernels
-#   llama2     `hshare bench generate`, Llama-2-7B shape, B16, 4k prompts, 256 new (issue 12's main row);
+#   llama2     `hshare bench generate`, Llama-2-7B shape, B16, 4k prompts, 256 new (the paper's shape);
 #              LLAMA2_PATHS overrides the paths, REPEATS the timed pairs per path (default 3)
 #   unfused    the same shape, the presets with compile_elementwise: false beside the fused ones
 #   llama3     Llama-3-8B shape, B16, 4k prompts
@@ -17,6 +17,20 @@
 #   topk       the heavy top-k kernel alone, by warps (tune_kernels.py topk)
 #   peak       what is allocated at the peak of a generate, by site: StaticCache against patched paths
 #              (peak_memory.py; PEAK_ARGS overrides the shape, default B8 1k prompts)
+#   long       long context, two runs of at most 270 s: Llama-3-8B shape B4 x 32k (one row in four padded,
+#              as earlier 32k rows) and Llama-3.1-8B shape B1 x 128k, 128 new tokens, timed per step;
+#              StaticCache in a process of its own, dense, the sparse presets at N_c 1024 / 2048 with the
+#              dense fallback off, ds@1024 likewise, and 1/2-1/2-1/2@1024 as configured by default; each row
+#              with its roofline (bytes a step must read, the floor at the bandwidth of a device copy
+#              measured in the same run, the share reached) and peak memory (! where above StaticCache's).
+#              LONG_PATHS overrides the paths
+#   grid       the dense-fallback crossover, runs of at most 180 s and 300 s: rows {1, 4, 16, 64} x prompts
+#              {1k, 4k, 16k, 32k, 128k}, MHA (Llama-2-7B shape) then GQA (Llama-3-8B shape), dense against
+#              1/2-1/2-1/2@512 and @2048 with the fallback off, and what the default rule would run; 32 new
+#              tokens timed per step after 7 warm steps, one generate per path and shape (a prefill each:
+#              they dominate the time), no padding; shapes that cannot fit are skipped with what they
+#              need. GRID_PATHS overrides the paths. Run it in a call of its own: with `long` it exceeds
+#              a 10-minute command
 # Several GPUs: benchmarks/device_multi_gpu.sh.
 set -o pipefail
 OUT=${OUT:-bench-results}
@@ -31,6 +45,15 @@ PROFILE=(--graphs --top 40 --layers 8 --batch 16 --prompt 4096 --paths dense,hsh
 bench() {  # bench SECONDS ARGS...: `hshare bench generate ARGS` under a time limit, appended to one log
   timeout "$1" hshare bench generate --out "$OUT" "${@:2}" 2>&1 | grep -v Warning | tee -a "$OUT/bench_generate.log"
 }
+sweep() {  # sweep SECONDS ARGS...: `python3 -m hshare.bench.grid ARGS` under a time limit, appended to one log
+  # (no path starts after SECONDS - 60: the last one finishes within the limit)
+  timeout "$1" python3 -m hshare.bench.grid --out "$OUT" --time-limit "$(($1 - 60))" "${@:2}" 2>&1 \
+    | grep -v Warning | tee -a "$OUT/bench_grid.log"
+}
+OFF=+dense_fallback_mib=0  # a path's override: sparse decode at every size
+HS=hshare-1_2-1_2-1_2
+LONG_PATHS=${LONG_PATHS:-static,dense,$HS@1024$OFF,$HS@2048$OFF,ds@1024$OFF,$HS@1024}
+GRID_PATHS=${GRID_PATHS:-dense,$HS@512$OFF,$HS@2048$OFF}
 
 for part in "$@"; do
   echo "== $part"
@@ -90,8 +113,19 @@ PY
     peak)
       timeout 300 python3 benchmarks/peak_memory.py ${PEAK_ARGS:---batch 8 --prompt 1024} \
         --paths static,dense,hshare-1_2-1_2-1_2@512 2>&1 | grep -v Warning | tee "$OUT/peak_memory.log" ;;
+    long)
+      sweep 270 --name long_llama3-8b_b4_p32k --shapes llama3-8b --rows 4 --prompts 32k --padded --new-tokens 128 \
+        --paths "$LONG_PATHS"
+      sweep 270 --name long_llama3.1-8b_b1_p128k --shapes llama3.1-8b --rows 1 --prompts 128k --new-tokens 128 \
+        --paths "$LONG_PATHS" ;;
+    grid)
+      sweep 180 --name grid_mha_llama2-7b --shapes llama2-7b --rows 1,4,16,64 --prompts 1k,4k,16k,32k,128k \
+        --new-tokens 32 --paths "$GRID_PATHS"
+      sweep 300 --name grid_gqa_llama3-8b --shapes llama3-8b --rows 1,4,16,64 --prompts 1k,4k,16k,32k,128k \
+        --new-tokens 32 --paths "$GRID_PATHS" ;;
     *)
-      echo "unknown part '$part'; accepted: suite tests llama2 unfused llama3 prefix b8 prefill profile gather topk peak" >&2
+      echo "unknown part '$part'; accepted: suite tests llama2 unfused llama3 prefix b8 prefill profile gather topk peak" \
+        "long grid" >&2
       exit 2 ;;
   esac
 done

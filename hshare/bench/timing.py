@@ -1,7 +1,8 @@
 """Timing of one callable: median wall time (CUDA: triton's do_bench), CUDA-graph replay time (GPU
 time alone, no host launch overhead), and decode SDPA with every backend that runs, the dense
 reference of ``hshare bench attention`` and ``hshare bench prefix`` (and of the kernel sweep
-``benchmarks/tune_kernels.py``)."""
+``benchmarks/tune_kernels.py``); and the memory bandwidth a device reaches (`copy_bandwidth`), the
+ceiling of ``hshare bench generate``'s roofline column."""
 
 from __future__ import annotations
 
@@ -44,6 +45,35 @@ def graph_time_us(fn: Callable[[], object], device: torch.device, warmup_ms: int
     except Exception:  # noqa: BLE001 - a host sync or allocation inside fn: not capturable
         return None
     return triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 10) -> float:
+    """Bytes per second a device-to-device copy of `nbytes` (default 4 GiB on CUDA, 32 MiB elsewhere)
+    reaches, counting bytes read plus bytes written (2 x `nbytes`); the best of `repeats` copies after
+    two warm-up copies, of random bytes. Both buffers are freed before returning."""
+    device = torch.device(device)
+    nbytes = nbytes or (4 * 2**30 if device.type == "cuda" else 32 * 2**20)
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for attempt in range(repeats + 2):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            target.copy_(source)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            began = time.perf_counter()
+            target.copy_(source)
+            seconds = time.perf_counter() - began
+        if attempt >= 2:
+            best = min(best, seconds)
+    del source, target
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * nbytes / best
 
 
 def _cpu_time_us(fn: Callable[[], object]) -> float:
