@@ -7,7 +7,9 @@ Vocabulary of the HShare paper (Wu et al., ICLR 2025, section 4):
 * approximate scores come from a *selection policy* (``policy``): ``"labels"`` scores tokens on
   ``label_channels`` heavy channels of every cached key, quantized to ``label_bits`` (DoubleSparse,
   HShare); ``"quest"`` scores pages of ``page_size`` columns by the channel-wise min and max of their
-  keys (Quest, Tang et al., ICML 2024). Sharing, windows and budgets are the same for both;
+  keys (Quest, Tang et al., ICML 2024); ``"loki"`` scores tokens on their keys' top ``loki_rank``
+  principal components (Loki, Singhania et al., NeurIPS 2024). Sharing, windows and budgets are the
+  same for all;
 * sharing ratios a-b-c (section 4.2, eq. 4): ``layer_sharing`` = 1 - k_l / n_l,
   ``head_sharing`` = 1 - k_h / n_h, ``query_sharing`` = 1 / query group size (reselect every
   ``query_group`` decode steps).
@@ -34,8 +36,10 @@ PLAN_SCOPES = ("batch", "sample")
 PLANNERS = ("greedy", "random")
 LABEL_BITS = (4, 8, 16)
 PREFIX_MODES = ("auto", "on", "off")
-POLICIES = ("labels", "quest")
-DEFAULT_DENSE_FALLBACK_MIB = 768.0  # on CUDA: per-layer KV below which an eager sparse step loses to dense
+POLICIES = ("labels", "quest", "loki")
+# On CUDA, the K/V reads per layer a sparse step must save over a dense one to be faster (`sparse_min_saved_bytes`):
+# replayed as CUDA graphs, and eager (host launch cost per layer). Calibrated by `hshare bench grid`.
+AUTO_MIN_SAVED_MIB = {"graphs": 96.0, "eager": 768.0}
 
 
 class ConfigError(ValueError):
@@ -96,8 +100,12 @@ class HShareConfig:
         policy: the selection policy (`hshare.policy`): what metadata a sparse layer keeps and how it
             scores tokens. "labels" (DoubleSparse / HShare: label cache of heavy channels) or "quest"
             (per page of `page_size` columns and KV head, the channel-wise min and max of the keys;
-            a page's score bounds q . k from above; the heavy budget takes whole pages).
-        page_size: columns per Quest page (16 in the Quest paper); unused by "labels".
+            a page's score bounds q . k from above; the heavy budget takes whole pages) or "loki"
+            (`hshare.loki`: keys projected on their top `loki_rank` principal components, from each
+            row's prompt keys; a token's score is its approximate logit in that subspace).
+        page_size: columns per Quest page (16 in the Quest paper); read by "quest" only.
+        loki_rank: principal components r of the keys that "loki" keeps (<= head_dim); None =
+            head_dim // 4 (the paper's 25%), at least 1. Read by "loki" only.
         sparse_prefill: at prefill, each query row of a sparse layer attends only to its own critical
             tokens (sink + local + the heavy top-k of its causal middle window by the policy's
             scores; rows with no more valid keys than N_c attend densely): the HShare paper's
@@ -113,10 +121,12 @@ class HShareConfig:
             exists, else dynamic), "dynamic" (chosen per row from the prompt's |q_c * k_c|), or a
             path to a calibration JSON written by ``hshare calibrate``.
         seed: seed of the random planner.
-        dense_fallback_mib: decode steps whose per-layer KV (rows x tokens x K and V) is below this
-            many MiB run exact dense attention: there the sparse path's kernel launches cost more
-            than reading all keys (the crossover: ``benchmarks/RESULTS.md``). None = auto: 768 on
-            CUDA, 0 elsewhere.
+        dense_fallback_mib: a decode step runs exact dense attention unless sparse attention saves at least
+            this many MiB of K/V reads per layer, ``rows x (own columns - N_c) x`` K/V bytes per token:
+            below it the sparse step's selection, gather and launches cost more than the reads saved
+            (`hshare.step.StepPlanner.sparse_pays`; ``cache.planner.decision`` says what the last step
+            chose and why). None = auto: on CUDA 96 for steps replayed as CUDA graphs and 768 for eager
+            steps (the crossover: ``benchmarks/RESULTS.md``), 0 elsewhere; 0 = sparse at any size.
         prefix: shared-prefix attention inside ``generate`` (Hydragen): "auto" stores a prompt
             prefix shared by the rows once when it pays (at least `prefix_min_tokens` shared
             tokens, `prefix_min_batch` rows sharing them and `prefix_min_saved_tokens` token reads
@@ -155,6 +165,7 @@ class HShareConfig:
     dense_layers: tuple[int, ...] = ()
     policy: str = "labels"
     page_size: int = 16
+    loki_rank: int | None = None
     sparse_prefill: bool = False
     selection: str = "kv_head"
     plan_scope: str = "batch"
@@ -204,6 +215,10 @@ class HShareConfig:
             raise ConfigError(f"HShareConfig.dense_layers = {list(self.dense_layers)} repeats a layer; accepted: distinct indices")
         self.policy = _choice("policy", self.policy, POLICIES)
         self.page_size = _int("page_size", self.page_size, 1, 65536)
+        if self.loki_rank is not None and (isinstance(self.loki_rank, bool) or not isinstance(self.loki_rank, int)
+                                           or not 1 <= self.loki_rank <= 1024):
+            raise ConfigError(f"HShareConfig.loki_rank = {self.loki_rank!r} is invalid; accepted: an integer in "
+                              "[1, 1024] (at most head_dim), or null for head_dim // 4")
         for name in ("sparse_prefill", "cuda_graphs", "compile_elementwise"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"HShareConfig.{name} = {getattr(self, name)!r} is invalid; accepted: true or false")
@@ -261,11 +276,12 @@ class HShareConfig:
         """Whether ``generate`` looks for a shared prompt prefix (never with sparse prefill)."""
         return self.prefix != "off" and not self.sparse_prefill
 
-    def dense_fallback_bytes(self, device: torch.device) -> float:
-        """The per-layer KV size below which a decode step runs densely on `device`."""
+    def sparse_min_saved_bytes(self, device: torch.device, graphs: bool) -> float:
+        """The K/V bytes per layer a sparse decode step must save to run on `device` (`dense_fallback_mib`),
+        for steps replayed as CUDA graphs or run eagerly."""
         mib = self.dense_fallback_mib
         if mib is None:
-            mib = DEFAULT_DENSE_FALLBACK_MIB if device.type == "cuda" else 0.0
+            mib = AUTO_MIN_SAVED_MIB["graphs" if graphs else "eager"] if device.type == "cuda" else 0.0
         return mib * 2**20
 
     def validate_for_model(self, num_layers: int, head_dim: int) -> None:
@@ -281,6 +297,9 @@ class HShareConfig:
                 f"HShareConfig.label_channels = {self.label_channels} exceeds the model's head_dim {head_dim}; "
                 f"accepted: 1..{head_dim}"
             )
+        if self.sparse and self.policy == "loki" and self.loki_rank is not None and self.loki_rank > head_dim:
+            raise ConfigError(f"HShareConfig.loki_rank = {self.loki_rank} exceeds the model's head_dim {head_dim}; "
+                              f"accepted: 1..{head_dim}, or null for head_dim // 4")
 
     def with_budget(self, budget: int) -> "HShareConfig":
         """This config at N_c = `budget` critical tokens (``"<preset>@<N_c>"`` names and the ``budget=``

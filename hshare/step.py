@@ -3,8 +3,8 @@
 The split is FlashInfer's ``plan()`` / ``run()``:
 
 * `StepPlanner.plan` (host only, no device read) decides the step's *kind* from the step counter
-  (query groups: a selection every ``query_group`` steps, HShare eq. 4 c), the KV size
-  (`HShareConfig.dense_fallback_mib`) and whether any layer is sparse, and builds the sharing plan
+  (query groups: a selection every ``query_group`` steps, HShare eq. 4 c), what a sparse step would
+  save over a dense one (`StepPlanner.sparse_pays`) and whether any layer is sparse, and builds the sharing plan
   (Algorithm 1) at the first sparse step. Kinds:
 
   - ``"dense"``: every layer attends to all valid keys (no sparse layer, or the dense fallback);
@@ -142,6 +142,8 @@ class StepPlanner:
         pending: what each sparse layer's last prefill left for its metadata (`hshare.prefill_metadata`).
         prefill_valid: the key validity the sparse layers of the running prefill forward share.
         counts: the host counters; work: the device ones (`hshare.counters`).
+        decision: why the last decode step (or the own prefill's `dense_throughout`) chose dense or sparse
+            (`sparse_pays`), with its numbers.
         forward: what the running forward is, ``"prefill"`` or ``"decode"`` (None between forwards: the
             attention function refuses to run an unplanned forward).
         current: the step the layers of the running (or last) decode forward read.
@@ -165,6 +167,7 @@ class StepPlanner:
     counts: DecodeStats = field(default_factory=DecodeStats)
     work: WorkCounters = field(default_factory=WorkCounters)
     forward: str | None = None
+    decision: str = ""
     current: DecodeStep | None = None
     planned: StepPlan | None = None
     _select_scorings: tuple[int, int] | None = field(default=None, repr=False)
@@ -237,9 +240,8 @@ class StepPlanner:
         After the own prefill of a reserved cache, first decide `dense_throughout`: then no metadata is
         built and the layers' policies are dropped."""
         if (self.dense_throughout is None and cache.reserve and self.sparse_layers and cache.own_length
-                and not cache.filling_prefix):
-            fallback = self.config.dense_fallback_bytes(cache.storage_device)
-            self.dense_throughout = cache.layer_kv_bytes(cache.rows, cache.reserve) < fallback
+                and not cache.filling_prefix):  # a reserved cache decodes with static shapes: as CUDA graphs
+            self.dense_throughout = not self.sparse_pays(cache, cache.rows, cache.reserve, graphs=True)
             if self.dense_throughout:
                 self.pending = {}
                 cache.drop_policies()
@@ -261,7 +263,7 @@ class StepPlanner:
         counts.decode_steps += 1
         if not self.sparse_layers:
             return StepPlan("dense", {})
-        if self.dense_throughout or cache.layer_kv_bytes(batch, columns) < config.dense_fallback_bytes(cache.storage_device):
+        if self.dense_throughout or not self.sparse_pays(cache, batch, columns, graphs=cache.static is not None):
             counts.dense_fallback_steps += 1
             self.last_selection = None  # the next sparse step selects
             return StepPlan("dense", {})
@@ -276,6 +278,20 @@ class StepPlanner:
         selecting = due and config.heavy > 0
         lookahead = config.query_group - 1 if selecting and config.group_lookahead else 0
         return StepPlan("select" if selecting else "reuse", self.shares, lookahead)
+
+    def sparse_pays(self, cache: HShareCache, rows: int, columns: int, graphs: bool) -> bool:
+        """Whether a sparse step saves enough reads to pay for its selection, gather and launches: the K/V bytes
+        one layer would not read, ``rows x (columns - N_c) x`` K/V bytes per token, against
+        `HShareConfig.sparse_min_saved_bytes` for this device and for steps replayed as CUDA graphs or run
+        eagerly. Saved bytes grow with the columns, so a length that does not pay never paid before it.
+        The decision and its numbers are kept in `decision`."""
+        saved = rows * max(columns - self.config.budget, 0) * cache.layer_kv_bytes(1, 1)
+        needed = self.config.sparse_min_saved_bytes(cache.storage_device, graphs)
+        pays = saved >= needed
+        self.decision = (f"{'sparse' if pays else 'dense'}: a sparse step saves {saved / 2**20:.1f} MiB of K/V reads "
+                         f"per layer ({rows} rows x ({columns} - {self.config.budget}) columns), "
+                         f"{'>=' if pays else '<'} {needed / 2**20:g} MiB ({'CUDA graphs' if graphs else 'eager'})")
+        return pays
 
     def open(self, cache: HShareCache, plan: StepPlan, valid: torch.Tensor) -> DecodeStep:
         """Build the step's device tensors from the own columns' validity ``[B, n]`` and make it the

@@ -211,8 +211,8 @@ def test_grid_tables():
     assert lines[2] == "| llama3-8b | 1 | 1024 | 4 | 100.0 | 80.0 | 0.80x | dense (right) |"
     assert lines[3] == "| llama3-8b | 4 | 131072 | 2048 | 40.0 | 30.0 | 0.75x | sparse (wrong) |"
     assert lines[4] == "| llama3-8b | 64 | 4096 | 1024 | skipped | skipped | - | sparse |"
-    # 768 MiB crossed between the prompt and its end: 1 x (196575 .. 196575 + 31) x 4 KiB
-    assert grid.default_runs(sparse, config, 1, 196600, 32, 2, cuda) == "mixed"
+    # 96 MiB saved (graphs) crossed between the first step and the last: 1 x (25070 + 1 .. 25070 + 31 - 512) x 4 KiB
+    assert grid.default_runs(sparse, config, 1, 25070, 32, 2, cuda) == "mixed"
     assert grid.default_runs("dense", config, 1, 1024, 32, 2, cuda) == "-"
     assert grid.crossover_table([r for r in rows if r.path == "dense"], {"llama3-8b": config}, 2, cuda) == []
     table = grid.rows_table([_row("static", 4, 32768, 60.0, peak=50.0), _row("dense", 4, 32768, 285.0, peak=50.1)])

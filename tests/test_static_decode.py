@@ -176,8 +176,10 @@ def test_generation_below_the_dense_fallback_makes_no_labels(monkeypatch, outgro
         monkeypatch.setattr(api, "new_token_budget", static_decode.new_token_budget)
     reserve = ids.shape[1] + new_tokens - 1 - (4 if outgrow else 0)
     head_dim = model.config.hidden_size // model.config.num_attention_heads
-    layer_bytes = 2 * reserve * 2 * head_dim * 4 * 2  # rows x columns x KV heads x d x float32 x (K, V)
-    fallback_mib = (layer_bytes + 1) / 2**20  # the reserve is below it, one more column is not
+    n_c = hshare.HShareConfig.from_preset("hshare-1_2-1_2-1_2").replace(**SPARSE).budget
+    # what a sparse step at the reserve saves: rows x (columns - N_c) x KV heads x d x float32 x (K, V)
+    layer_bytes = 2 * (reserve - n_c) * 2 * head_dim * 4 * 2
+    fallback_mib = (layer_bytes + 1) / 2**20  # the reserve's saving is below it, one more column's is not
     static, cache = _run(model, "hshare-1_2-1_2-1_2", ids, mask, static=True, new_tokens=new_tokens,
                          dense_fallback_mib=fallback_mib, **SPARSE)
     assert cache.planner.dense_throughout is True

@@ -62,18 +62,18 @@ def grid_cells(rows: list[int], prompts: list[int]) -> list[tuple[int, int]]:
 
 def default_runs(path: str, model_config, rows: int, prompt: int, new_tokens: int, element_bytes: int,
                  device: torch.device) -> str:
-    """What the path's config without its ``dense_fallback_mib`` override runs at this shape:
-    ``"dense"`` (the per-layer KV of the reserve, rows x (prompt + N - 1) columns, is below the threshold:
-    dense throughout), ``"sparse"`` (already the first step's is not), ``"mixed"`` (the steps cross it),
-    or ``"-"`` for a dense config (or no config)."""
+    """What the path's config without its ``dense_fallback_mib`` override runs at this shape under CUDA graphs
+    (`hshare.step.StepPlanner.sparse_pays`): ``"dense"`` (a sparse step would not save enough K/V reads even at
+    the reserve, rows x (prompt + N - 1 - N_c) columns: dense throughout), ``"sparse"`` (already the first
+    step's saving is enough), ``"mixed"`` (the steps cross it), or ``"-"`` for a dense config (or no config)."""
     config = generate.path_config(path, without=("dense_fallback_mib",))
     if config is None or not config.sparse:
         return "-"
-    threshold = config.dense_fallback_bytes(device)
+    threshold = config.sparse_min_saved_bytes(device, graphs=True)
     token = rows * roofline.kv_token_bytes(model_config, element_bytes)
-    if token * (prompt + new_tokens - 1) < threshold:
+    if token * max(prompt + new_tokens - 1 - config.budget, 0) < threshold:
         return "dense"
-    return "sparse" if token * (prompt + 1) >= threshold else "mixed"
+    return "sparse" if token * max(prompt + 1 - config.budget, 0) >= threshold else "mixed"
 
 
 def _rate(row: GenerateRow) -> str:
