@@ -15,7 +15,8 @@ Every lm-eval ``run`` argument is accepted as lm-eval documents it. Added here:
   The QA tasks (``ruler_qa_squad``, ``ruler_qa_hotpot``) download their documents: refused offline.
   lm-eval's ``--metadata`` must not set ``max_seq_lengths`` or ``tokenizer`` (the flags above do);
   ``--limit N`` keeps the first N documents of each task, all of the first length;
-* ``--model`` defaults to ``hshare``; ``pretrained`` defaults to the embedded SmolLM2;
+* ``--model`` defaults to ``hshare``; ``pretrained`` defaults to the embedded SmolLM2; ``--device``
+  defaults to ``cuda:0`` where CUDA is available, else ``cpu``;
 * after lm-eval's table, the work counters of the generations (label scorings, KV rows read).
 
 Several GPUs (see `hshare.eval.lm_eval_model`):
@@ -116,7 +117,17 @@ def lm_eval_argv(argv: list[str], task_dir: Path) -> tuple[list[str], TaskSetup]
     out = ["run", "--model", ours.model, "--tasks", ",".join(setup.tasks), *rest]
     if include:
         out += ["--include_path", os.pathsep.join(include) if len(include) > 1 else include[0]]
+    if not any(arg == "--device" or arg.startswith("--device=") for arg in rest):
+        out += ["--device", default_device()]
     return out, setup
+
+
+def default_device() -> str:
+    """lm-eval's default device is ``cuda:0``; on a machine without CUDA the run could not start, so ``hshare
+    eval`` names the device it can run on when ``--device`` is not given."""
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
 def main_eval(argv: list[str]) -> int:

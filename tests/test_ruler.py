@@ -374,3 +374,14 @@ def test_hshare_eval_runs_ruler_end_to_end(model_dir, data_dir, tmp_path, hub_of
     assert set(results["results"]) == {"niah_single_1", "niah_multivalue"}
     assert 0.0 <= results["results"]["niah_single_1"]["1024,none"] <= 1.0
     assert results["configs"]["niah_multivalue"]["metadata"][ruler.HAYSTACK_KEY].endswith("war_and_peace.txt")
+
+
+def test_device_named_when_not_given(model_dir, data_dir, tmp_path):
+    """lm-eval defaults to cuda:0; hshare eval names the device this machine has unless --device is given."""
+    import torch
+
+    base = ["--tasks", "niah_single_1", "--ruler-lengths", "1k", "--data-dir", str(data_dir), "-a", f"pretrained={model_dir}"]
+    argv, _ = lm_eval_argv(base, tmp_path / "a")
+    assert argv[argv.index("--device") + 1] == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    argv, _ = lm_eval_argv(base + ["--device", "meta"], tmp_path / "b")
+    assert argv.count("--device") == 1 and argv[argv.index("--device") + 1] == "meta"
