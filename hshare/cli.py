@@ -38,11 +38,13 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _presets(args: argparse.Namespace) -> int:
     from hshare.config import HShareConfig, preset_names
+    from hshare.policy import policy_class
 
     for name in preset_names():
         c = HShareConfig.from_preset(name)
+        scores = policy_class(c.policy).describe(c) if c.heavy else "no scoring"
         detail = (f"N_c {c.budget} = {c.sink}+{c.local}+{c.heavy}, sharing {c.layer_sharing:g}-{c.head_sharing:g}-"
-                  f"{c.query_sharing:g}, labels {c.label_channels}x{c.label_bits}b") if c.sparse else "exact dense"
+                  f"{c.query_sharing:g}, {scores}") if c.sparse else "exact dense"
         print(f"{name:<26}{detail}")
     return 0
 

@@ -105,7 +105,7 @@ class HShareConfig:
             row's prompt keys; a token's score is its approximate logit in that subspace).
         page_size: columns per Quest page (16 in the Quest paper); read by "quest" only.
         loki_rank: principal components r of the keys that "loki" keeps (<= head_dim); None =
-            head_dim // 4 (the paper's 25%), at least 1. Read by "loki" only.
+            head_dim // 4 (a quarter of the head dimension), at least 1. Read by "loki" only.
         sparse_prefill: at prefill, each query row of a sparse layer attends only to its own critical
             tokens (sink + local + the heavy top-k of its causal middle window by the policy's
             scores; rows with no more valid keys than N_c attend densely): the HShare paper's

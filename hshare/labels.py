@@ -8,13 +8,22 @@ logit ``q_lab . k_lab``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from hshare.buffer import GrowingBuffer
+from hshare.channels import dynamic_channels
+from hshare.config import HShareConfig
 from hshare.kernels import append_labels, decode_label_scores, label_scores, label_storage_dtype, query_labels
+from hshare.policy import SelectionPolicy, register_policy
+
+if TYPE_CHECKING:
+    from hshare.buffer import GrowingBuffer
+    from hshare.channels import ChannelCalibration
 
 
-class LabelCache:
+@register_policy("labels")
+class LabelCache(SelectionPolicy):
     """Labels ``[B, H_sel, n, r]`` (quantized) of one layer: a `SelectionPolicy` scoring tokens.
 
     Args:
@@ -22,37 +31,43 @@ class LabelCache:
             rows) or B (dynamic, per row).
         bits: 4, 8 or 16.
         kv_heads: KV heads of the layer; selection head s reads KV head ``s * Hkv // H_sel``.
+
+    Attributes:
+        codes, scale, zero: column buffers ``[B, H_sel, n, r * bits / 8]`` (uint8; 16 bits: ``[B, H_sel,
+            n, r]`` half) and ``[B, H_sel, n]`` (None storage at 16 bits): the labels' codes and their
+            per-token quantization scale and zero point.
     """
 
     unit = "tokens"  # one scoring scores every cached token (DecodeStats.scored_tokens)
-    supports_static = True  # `write`: static-shape decode (`hshare.static_decode`)
+    options = ("label_channels", "label_bits", "heavy_channels")
+    column_buffers = ("codes", "scale", "zero")
+    row_or_shared_tensors = ("channels",)
+    codes: GrowingBuffer
+    scale: GrowingBuffer
+    zero: GrowingBuffer
 
     def __init__(self, channels: torch.Tensor, bits: int, kv_heads: int, reserve: int = 0) -> None:
+        super().__init__(channels.shape[1], kv_heads, reserve)
         self.channels = channels
         self.bits = bits
-        self.kv_heads = kv_heads
-        self.codes = GrowingBuffer(reserve)
-        self.scale = GrowingBuffer(reserve)
-        self.zero = GrowingBuffer(reserve)
 
-    @property
-    def sel_heads(self) -> int:
-        return self.channels.shape[1]
+    @classmethod
+    def from_prefill(cls, config: HShareConfig, calibration: ChannelCalibration | None, layer: int,
+                     query: torch.Tensor, new_keys: torch.Tensor, new_valid: torch.Tensor, kv_heads: int,
+                     reserve: int) -> LabelCache:
+        """Heavy channels from the calibration (all rows), or per row from the prompt's queries and
+        keys (`hshare.channels.dynamic_channels`) when there is none."""
+        if calibration is not None:
+            channels = calibration.channels(layer, kv_heads, config.selection, config.label_channels).to(query.device)
+        else:
+            channels = dynamic_channels(query, new_keys, new_valid, config.selection, config.label_channels)
+        return cls(channels, config.label_bits, kv_heads, reserve)
 
-    @property
-    def length(self) -> int:
-        return self.codes.length
+    @classmethod
+    def describe(cls, config: HShareConfig) -> str:
+        return f"labels {config.label_channels}x{config.label_bits}b, heavy channels {config.heavy_channels}"
 
-    def scored_units(self) -> int:
-        """Tokens one (row, head) scoring computes now: every cached column n (padding included;
-        static shapes: every column of the reserved storage)."""
-        return self.codes.view().shape[2]
-
-    @property
-    def buffers(self) -> tuple[GrowingBuffer, ...]:
-        return self.codes, self.scale, self.zero
-
-    def append(self, new_keys: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def add_keys(self, new_keys: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Quantize and append the labels of new keys ``[B, Hkv, t, d]`` (written in place).
 
         `valid` (``[B, t]``) is not needed: a token's label depends on its key only, and invalid
@@ -115,29 +130,3 @@ class LabelCache:
         """
         return decode_label_scores(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
                                    self.bits, rows, heads)
-
-    def freeze(self, width: int) -> None:
-        """Static shapes: the label buffers, reserved at `width` columns, are exposed whole."""
-        if self.codes.capacity < width:
-            raise RuntimeError(f"labels reserved for {self.codes.capacity} columns, static decode needs {width}")
-        for buffer in self.buffers:
-            buffer.freeze()
-
-    def thaw(self, length: int) -> None:
-        """Back to growing label buffers (their lengths followed every static step: `HShareCache.advance`)."""
-        for buffer in self.buffers:
-            buffer.thaw()
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        for buffer in self.buffers:
-            buffer.select_rows(rows)
-        if self.channels.shape[0] > 1:
-            self.channels = self.channels.index_select(0, rows.to(self.channels.device))
-
-    def crop(self, length: int) -> None:
-        for buffer in self.buffers:
-            buffer.crop(length)
-
-    def nbytes(self) -> int:
-        """Bytes of the labels (codes, scales, zeros) of the cached tokens."""
-        return self.codes.nbytes() + self.scale.nbytes() + self.zero.nbytes()

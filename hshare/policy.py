@@ -1,113 +1,314 @@
 """Selection policies: what metadata a sparse layer keeps, and how it scores tokens for a query.
 
 A policy is that small (as TensorRT-LLM's sparse-attention "prediction module + auxiliary memory
-pool", or kvpress's ``score()``): everything else is shared by all policies and lives elsewhere:
-the sink / local windows and the middle-window top-k (`hshare.selection`), the planner's evidence
-and plan (`hshare.planner`, `hshare.attention`), head / layer / query sharing, padding, critical
-indices and gather attention (`hshare.kernels`), sparse prefill (`hshare.sparse_prefill`).
+pool", or kvpress's ``ScorerPress.score()``): everything else is shared by all policies and lives
+elsewhere: the sink / local windows and the middle-window top-k (`hshare.selection`), the planner's
+evidence and plan (`hshare.planner`, `hshare.attention`), head / layer / query sharing, padding,
+critical indices and gather attention (`hshare.kernels`), sparse prefill (`hshare.sparse_prefill`).
 
-Policies (``HShareConfig.policy``):
+`SelectionPolicy` owns the storage mechanics once: a policy declares its metadata buffers (token
+buffers, one slot per cached column, or buffers of slots that each cover several columns, such as
+Quest's pages) and its per-row tensors, and the base class grows, freezes, thaws, reorders, crops
+and measures them. A policy implements only what is its own: how metadata is made from new keys
+(`SelectionPolicy.add_keys`, and `SelectionPolicy.write` for static shapes), how it scores
+(`decode_scores`, `score_query` / `prefill_scores`), how it is made at a layer's first prefill
+(`from_prefill`), what one scoring counts (`unit`) and how it describes itself (`describe`).
 
-* ``"labels"`` (`hshare.labels.LabelCache`, DoubleSparse / HShare): quantized heavy channels of
-  every key; a token's score is its approximate logit.
-* ``"quest"`` (`hshare.quest.QuestPageCache`, Quest): per page of ``page_size`` columns and KV
-  head, the channel-wise min and max of the keys; a token's score ranks its page (whole pages are
-  selected).
+Policies register by name (`register_policy`); ``HShareConfig.policy`` names one and `new_policy`
+looks it up. Each lives in one module: `hshare.labels` (``"labels"``), `hshare.quest`
+(``"quest"``), `hshare.loki` (``"loki"``).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
-from hshare.channels import ChannelCalibration, dynamic_channels
-from hshare.config import HShareConfig
-from hshare.labels import LabelCache
-from hshare.quest import QuestPageCache
+from hshare.buffer import GrowingBuffer
+from hshare.config import ConfigError, HShareConfig
+
+if TYPE_CHECKING:
+    from hshare.channels import ChannelCalibration
+
+SCORED_UNITS = ("tokens", "pages")  # the `hshare.counters.DecodeStats` counters scored_tokens, scored_pages
 
 
-@runtime_checkable
-class SelectionPolicy(Protocol):
+class SelectionPolicy(ABC):
     """One sparse layer's selection metadata and scorer.
 
     Shapes: B rows, Hq query heads, Hkv KV heads, H_sel selection heads (Hkv or Hq, the config's
-    ``selection``), n cached columns, d head dim. Scores are only ever *ranked* (top-k over the
-    middle window): any key whose order is the policy's preference will do.
+    ``selection``; selection head s reads KV head ``s * Hkv // H_sel`` and stands for the query heads
+    ``[s * Hq // H_sel, (s + 1) * Hq // H_sel)``), n cached columns, d head dim. Scores are only ever
+    *ranked* (top-k over the middle window): any key whose order is the policy's preference will do.
 
-    Attributes:
-        unit: what one (row, layer, head) scoring scores: ``"tokens"`` or ``"pages"`` (the
-            `hshare.cache.DecodeStats` counter ``scored_tokens`` or ``scored_pages`` it adds to).
-        sel_heads: H_sel, the heads scores are computed for.
-        length: cached columns the metadata covers.
-        supports_static: whether `write` works (static-shape decode, `hshare.static_decode`).
+    What a subclass declares (class attributes):
+        name: the registered name (set by `register_policy`).
+        unit: what one (row, layer, head) scoring scores, one of `SCORED_UNITS` (the
+            `hshare.counters.DecodeStats` counter ``scored_tokens`` or ``scored_pages``).
+        options: the `HShareConfig` fields the policy reads (its section of the config; `describe`).
+        column_buffers: names of its `GrowingBuffer` attributes of ``[B, H, n, ...]`` metadata, one
+            slot per cached column. The base class makes them (reserved at the reserve), and
+            `buffers` hands them to the cache, which advances their lengths at static steps.
+        slot_buffers: names of its `GrowingBuffer` attributes whose slots each cover several
+            columns (Quest's pages); `slots` maps a column count to their slot count.
+        row_tensors: names of ``[B, ...]`` tensor attributes, one entry per row (None until set),
+            reordered with the rows.
+        row_or_shared_tensors: names of ``[P, ...]`` tensor attributes, P = B (one entry per row,
+            reordered with the rows) or 1 (shared by all rows, kept).
+
+    What the base class keeps: ``sel_heads`` (H_sel), ``kv_heads`` (Hkv), `length` (columns the
+    metadata covers) and ``frozen_width`` (the reserved columns while static shapes are on, else
+    None). `supports_static` is True exactly when the subclass implements `write`.
     """
 
-    unit: str
-    sel_heads: int
-    supports_static: bool
+    name: ClassVar[str] = ""
+    unit: ClassVar[str] = "tokens"
+    options: ClassVar[tuple[str, ...]] = ()
+    column_buffers: ClassVar[tuple[str, ...]] = ()
+    slot_buffers: ClassVar[tuple[str, ...]] = ()
+    row_tensors: ClassVar[tuple[str, ...]] = ()
+    row_or_shared_tensors: ClassVar[tuple[str, ...]] = ()
+    supports_static: ClassVar[bool] = False
 
-    @property
-    def length(self) -> int: ...
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.supports_static = cls.write is not SelectionPolicy.write
+        if cls.slot_buffers and cls.slots is SelectionPolicy.slots:
+            raise TypeError(f"{cls.__name__} declares slot_buffers {cls.slot_buffers} but no slots(columns); "
+                            "accepted: a slots() override mapping columns to slots, or column_buffers only")
 
-    def append(self, new_keys: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Add the metadata of new keys ``[B, Hkv, t, d]`` (columns ``[length, length + t)``);
-        `valid` ``[B, t]`` marks real tokens (None = all)."""
+    def __init__(self, sel_heads: int, kv_heads: int, reserve: int = 0) -> None:
+        """Args:
+            reserve: columns to allocate at the first allocation (the generation's final length)."""
+        self.sel_heads = sel_heads
+        self.kv_heads = kv_heads
+        self.frozen_width: int | None = None
+        self._length = 0
+        for name in self.column_buffers:
+            setattr(self, name, GrowingBuffer(reserve))
+        for name in self.slot_buffers:
+            setattr(self, name, GrowingBuffer(self.slots(reserve)))
 
-    def decode_scores(self, query: torch.Tensor, rows: torch.Tensor | None = None,
-                      heads: torch.Tensor | None = None) -> torch.Tensor:
-        """Token scores ``[B', H', n]`` for the decode query ``[B, Hq, d]`` of rows ``[B']`` (None =
-        all) and selection heads ``[B' or 1, H']`` (None = all H_sel): only those are computed."""
+    # ---- what a policy implements ---------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def from_prefill(cls, config: HShareConfig, calibration: ChannelCalibration | None, layer: int,
+                     query: torch.Tensor, new_keys: torch.Tensor, new_valid: torch.Tensor, kv_heads: int,
+                     reserve: int) -> SelectionPolicy:
+        """An empty policy for one sparse layer, made at its first prefill (`new_policy`'s arguments)."""
 
+    @abstractmethod
+    def add_keys(self, new_keys: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Make and store the metadata of new keys ``[B, Hkv, t, d]``, t >= 1, at columns
+        ``[length, length + t)``; `valid` ``[B, t]`` marks real tokens (None = all). Called by `append`,
+        which then counts the columns."""
+
+    @abstractmethod
     def score_query(self, query: torch.Tensor) -> torch.Tensor:
         """What `prefill_scores` reads of W query rows ``[B, Hq, W, d]``: the queries themselves, or
         less (labels: their heavy channels). The planner's evidence keeps this across a prefill
         forward, so the smaller it is, the less the prefill's peak memory holds."""
 
+    @abstractmethod
     def prefill_scores(self, query: torch.Tensor) -> torch.Tensor:
         """Token scores ``[B, H_sel, W, n]`` for W query rows given as `score_query` made them (the
         planner's evidence, sparse prefill)."""
 
+    @abstractmethod
+    def decode_scores(self, query: torch.Tensor, rows: torch.Tensor | None = None,
+                      heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Token scores ``[B', H', n]`` for the decode query ``[B, Hq, d]`` of rows ``[B']`` (None =
+        all) and selection heads ``[B' or 1, H']`` (None = all H_sel): only those are computed."""
+
+    def write(self, column: torch.Tensor, keys: torch.Tensor) -> None:
+        """Static shapes: the metadata of the key at the column held in the ``[1]`` int64 device
+        tensor `column`, read from the layer's whole key buffer `keys` ``[B, Hkv, n, d]`` and written
+        in place, with no host value involved (a captured step writes where the replayed step is).
+        Policies that implement it support static-shape decode (`supports_static`)."""
+        raise NotImplementedError(f"the {self.name!r} selection policy has no static-shape write; "
+                                  "static decode needs a policy with supports_static")
+
+    def slots(self, columns: int) -> int:
+        """Slots of the `slot_buffers` that hold the metadata of `columns` columns (a policy with
+        slot buffers implements it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no slot buffers")
+
+    @classmethod
+    def describe(cls, config: HShareConfig) -> str:
+        """One line saying what the policy keeps under `config` (``hshare presets``): its name and
+        `options`."""
+        return " ".join([cls.name] + [f"{option}={getattr(config, option)}" for option in cls.options])
+
+    # ---- storage mechanics, owned here --------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """Cached columns the metadata covers (static shapes: every reserved column, which the
+        scores cover)."""
+        return self._length if self.frozen_width is None else self.frozen_width
+
+    @property
+    def buffers(self) -> tuple[GrowingBuffer, ...]:
+        """The column buffers (one slot per cached column): the cache advances their lengths at
+        static steps and counts their reserved bytes."""
+        return tuple(getattr(self, name) for name in self.column_buffers)
+
+    def _all_buffers(self) -> list[tuple[GrowingBuffer, Callable[[int], int], str]]:
+        """Every metadata buffer with its map from columns to slots and the name of its slots."""
+        return ([(getattr(self, name), _columns, "columns") for name in self.column_buffers]
+                + [(getattr(self, name), self.slots, "slots") for name in self.slot_buffers])
+
+    def append(self, new_keys: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Add the metadata of new keys ``[B, Hkv, t, d]`` (columns ``[length, length + t)``, written
+        in place: `add_keys`); `valid` ``[B, t]`` marks real tokens (None = all)."""
+        tokens = new_keys.shape[2]
+        if tokens:
+            self.add_keys(new_keys, valid)
+        self._length += tokens
+
     def scored_units(self) -> int:
-        """Units (`unit`) one (row, head) decode scoring computes at the current length."""
+        """Units (`unit`) one (row, head) decode scoring computes now: every slot of the first
+        metadata buffer (padding included; static shapes: every reserved slot)."""
+        buffers = self._all_buffers()
+        if not buffers:
+            raise NotImplementedError(f"{type(self).__name__} declares no metadata buffers; accepted: "
+                                      "column_buffers or slot_buffers, or a scored_units() override")
+        view = buffers[0][0].view()
+        return 0 if view is None else view.shape[2]
 
     def nbytes(self) -> int:
-        """Bytes of the metadata."""
+        """Bytes of the metadata buffers' stored slots (not of spare capacity, nor of the per-row
+        tensors)."""
+        return sum(buffer.nbytes() for buffer, _, _ in self._all_buffers())
 
     def freeze(self, width: int) -> None:
         """Static shapes from now on: the metadata of `width` own columns per row (the reserve) is
-        exposed whole and written in place (`write`)."""
+        exposed whole and written in place (`write`); the scores cover every reserved column."""
+        for buffer, slots, kind in self._all_buffers():
+            if buffer.storage is not None and buffer.capacity < slots(width):
+                raise RuntimeError(f"{self.name} reserved for {buffer.capacity} {kind}, static decode needs "
+                                   f"{slots(width)}")
+        for buffer, _, _ in self._all_buffers():
+            buffer.freeze()
+        self.frozen_width = width
 
     def thaw(self, length: int) -> None:
         """Back to growing metadata after static steps wrote the columns up to `length`."""
-
-    def write(self, column: torch.Tensor, keys: torch.Tensor) -> None:
-        """Static shapes: the metadata of the key at the column held in the ``[1]`` device tensor
-        `column`, read from the layer's whole key buffer `keys` ``[B, Hkv, n, d]`` (policies that
-        support static-shape decode)."""
+        for buffer, slots, _ in self._all_buffers():
+            buffer.thaw()
+            if buffer.storage is not None:
+                buffer.length = slots(length)
+        self.frozen_width = None
+        self._length = length
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep / reorder / repeat batch rows (beam search, ``batch_select_indices``)."""
+        for buffer, _, _ in self._all_buffers():
+            buffer.select_rows(rows)
+        for name in self.row_tensors + self.row_or_shared_tensors:
+            tensor = getattr(self, name)
+            if tensor is not None and (name in self.row_tensors or tensor.shape[0] > 1):
+                setattr(self, name, tensor.index_select(0, rows.to(tensor.device)))
 
     def crop(self, length: int) -> None:
-        """Keep the metadata of the first `length` columns."""
+        """Keep the metadata of the first `length` columns (slot buffers: the slots they reach)."""
+        self._length = max(0, min(self._length, length))
+        for buffer, slots, _ in self._all_buffers():
+            buffer.crop(slots(self._length))
+
+    # ---- helpers for scorers --------------------------------------------------------------
+    @staticmethod
+    def selection_heads(config: HShareConfig, query: torch.Tensor, kv_heads: int) -> int:
+        """H_sel for prefill queries ``[B, Hq, T, d]``: Hkv (``selection="kv_head"``) or Hq."""
+        return kv_heads if config.selection == "kv_head" else query.shape[1]
+
+    @staticmethod
+    def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+        """What scores are summed in: float64 for float64 inputs, else float32."""
+        return torch.float64 if dtype == torch.float64 else torch.float32
+
+    def group_query_heads(self, query: torch.Tensor) -> torch.Tensor:
+        """Queries ``[B, Hq, Q, d]`` by selection head: ``[B, H_sel, Hq // H_sel, Q, d]`` (a view)."""
+        batch, q_heads, steps, dim = query.shape
+        return query.reshape(batch, self.sel_heads, q_heads // self.sel_heads, steps, dim)
+
+    def pick_selection_heads(self, tensor: torch.Tensor, rows: torch.Tensor | None = None,
+                             heads: torch.Tensor | None = None) -> torch.Tensor:
+        """A per-selection-head tensor ``[B, H_sel, ...]`` at rows ``[B']`` (None = all) and heads
+        ``[B' or 1, H']`` (None = all): ``[B', H', ...]``."""
+        if rows is not None:
+            tensor = tensor.index_select(0, rows)
+        if heads is None:
+            return tensor
+        count = tensor.shape[0]
+        return tensor[torch.arange(count, device=tensor.device)[:, None], heads.expand(count, -1)]
+
+    def per_selection_head(self, tensor: torch.Tensor, rows: torch.Tensor | None = None,
+                           heads: torch.Tensor | None = None) -> torch.Tensor:
+        """A per-KV-head tensor ``[B, Hkv, ...]`` as the selection heads read it, at rows ``[B']``
+        (None = all) and heads ``[B' or 1, H']`` (None = all H_sel): ``[B', H', ...]``."""
+        if rows is not None:
+            tensor = tensor.index_select(0, rows)
+        kv_of_sel = torch.arange(self.sel_heads, device=tensor.device) * self.kv_heads // self.sel_heads
+        if heads is None:
+            return tensor if self.sel_heads == self.kv_heads else tensor.index_select(1, kv_of_sel)
+        count = tensor.shape[0]
+        return tensor[torch.arange(count, device=tensor.device)[:, None], kv_of_sel[heads.expand(count, -1)]]
+
+
+def _columns(columns: int) -> int:
+    """The slots of a column buffer: one per column."""
+    return columns
+
+
+_REGISTRY: dict[str, type[SelectionPolicy]] = {}
+
+
+def register_policy(name: str) -> Callable[[type[SelectionPolicy]], type[SelectionPolicy]]:
+    """Class decorator: the `SelectionPolicy` subclass is the policy ``HShareConfig.policy = name``."""
+    def register(cls: type[SelectionPolicy]) -> type[SelectionPolicy]:
+        if not (isinstance(cls, type) and issubclass(cls, SelectionPolicy)):
+            raise TypeError(f"register_policy({name!r}) decorates {cls!r}; accepted: a SelectionPolicy subclass")
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"selection policy {name!r} is registered twice: {_REGISTRY[name].__qualname__} and "
+                             f"{cls.__qualname__}; accepted: one class per name")
+        if cls.unit not in SCORED_UNITS:
+            raise ValueError(f"{cls.__qualname__}.unit = {cls.unit!r}; accepted: {', '.join(map(repr, SCORED_UNITS))}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return register
+
+
+def policy_names() -> tuple[str, ...]:
+    """The registered policies' names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def policy_class(name: str) -> type[SelectionPolicy]:
+    """The policy registered as `name`; `ConfigError` naming the registered ones otherwise."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown selection policy {name!r}; accepted: "
+                          f"{', '.join(map(repr, policy_names()))}") from None
 
 
 def new_policy(config: HShareConfig, calibration: ChannelCalibration | None, layer: int, query: torch.Tensor,
                new_keys: torch.Tensor, new_valid: torch.Tensor, kv_heads: int, reserve: int = 0) -> SelectionPolicy:
-    """An empty policy for one sparse layer, made at its first prefill.
+    """An empty policy of ``config.policy`` for one sparse layer, made at its first prefill
+    (`SelectionPolicy.from_prefill`).
 
     Args:
         calibration: heavy channels of the model (labels), or None (chosen per row, dynamic).
         reserve: columns to allocate at once (the generation's final length).
         query: ``[B, Hq, T, d]`` the prefill queries; new_keys: ``[B, Hkv, T, d]`` their keys;
-            new_valid: ``[B, T]`` validity of those keys (dynamic channels use all three).
+            new_valid: ``[B, T]`` validity of those keys (what a policy made from the prompt reads).
     """
-    sel_heads = kv_heads if config.selection == "kv_head" else query.shape[1]
-    if config.policy == "quest":
-        return QuestPageCache(sel_heads, kv_heads, config.page_size, reserve)
-    if calibration is not None:
-        channels = calibration.channels(layer, kv_heads, config.selection, config.label_channels).to(query.device)
-    else:
-        channels = dynamic_channels(query, new_keys, new_valid, config.selection, config.label_channels)
-    return LabelCache(channels, config.label_bits, kv_heads, reserve)
+    return policy_class(config.policy).from_prefill(config, calibration, layer, query, new_keys, new_valid,
+                                                    kv_heads, reserve)
+
+
+# Each module registers its policy when imported (after the base class above is defined).
+from hshare import labels, loki, quest  # noqa: E402,F401

@@ -34,9 +34,16 @@ All of it is plain PyTorch (CPU and CUDA alike); nothing here goes through the l
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from hshare.buffer import GrowingBuffer
+from hshare.config import HShareConfig
+from hshare.policy import SelectionPolicy, register_policy
+
+if TYPE_CHECKING:
+    from hshare.buffer import GrowingBuffer
+    from hshare.channels import ChannelCalibration
 
 _APPEND_CHUNK_ELEMENTS = 1 << 24  # key elements gathered at once by `append` (bounds prefill memory)
 
@@ -76,7 +83,8 @@ def page_bounds_reference(keys: torch.Tensor, valid: torch.Tensor, page_size: in
     return low, high, has
 
 
-class QuestPageCache:
+@register_policy("quest")
+class QuestPageCache(SelectionPolicy):
     """Per-page channel-wise min and max of one layer's keys: a `SelectionPolicy` scoring pages.
 
     Args:
@@ -86,57 +94,46 @@ class QuestPageCache:
         page_size: columns per page.
 
     Attributes:
-        low, high: `GrowingBuffer` of ``[B, Hkv, P, d]`` page bounds, in the keys' dtype.
+        low, high: slot buffers of ``[B, Hkv, P, d]`` page bounds, in the keys' dtype; P =
+            `pages_for` the columns (`slots`). Static shapes (`freeze`): every page slot the reserved
+            columns can fall in is scored at every step (slots not reached yet hold the empty-page
+            sentinels). `crop` drops the pages past the kept columns; the bounds of a page cut in the
+            middle still include the removed keys (a looser, still valid, upper bound: the keys are
+            not kept here to recompute it).
         shift: ``[B]`` int64, each row's page offset (set by the first append).
     """
 
     unit = "pages"  # one scoring scores every page slot (DecodeStats.scored_pages)
+    options = ("page_size",)
+    slot_buffers = ("low", "high")
+    row_tensors = ("shift",)
+    low: GrowingBuffer
+    high: GrowingBuffer
 
     def __init__(self, sel_heads: int, kv_heads: int, page_size: int, reserve: int = 0) -> None:
-        self.sel_heads = sel_heads
-        self.kv_heads = kv_heads
-        self.page_size = page_size
-        self.low = GrowingBuffer(pages_for(reserve, page_size))
-        self.high = GrowingBuffer(pages_for(reserve, page_size))
+        self.page_size = page_size  # before the base class sizes the page buffers (`slots`)
+        super().__init__(sel_heads, kv_heads, reserve)
         self.shift: torch.Tensor | None = None
-        self._length = 0
-        self.frozen_width: int | None = None  # static shapes: the columns every step scores
 
-    @property
-    def length(self) -> int:
-        """Cached columns covered by the pages (static shapes: every reserved column)."""
-        return self._length if self.frozen_width is None else self.frozen_width
+    @classmethod
+    def from_prefill(cls, config: HShareConfig, calibration: ChannelCalibration | None, layer: int,
+                     query: torch.Tensor, new_keys: torch.Tensor, new_valid: torch.Tensor, kv_heads: int,
+                     reserve: int) -> QuestPageCache:
+        """Empty pages of ``config.page_size`` columns (the first append pages each row)."""
+        return cls(cls.selection_heads(config, query, kv_heads), kv_heads, config.page_size, reserve)
+
+    @classmethod
+    def describe(cls, config: HShareConfig) -> str:
+        return f"quest pages of {config.page_size}"
+
+    def slots(self, columns: int) -> int:
+        """Page slots of `columns` columns (`pages_for`)."""
+        return pages_for(columns, self.page_size)
 
     @property
     def pages(self) -> int:
         """Page slots scored (static shapes: every reserved slot)."""
-        view = self.low.view()
-        return 0 if view is None else view.shape[2]
-
-    def scored_units(self) -> int:
-        """Pages one (row, head) scoring computes now: every page slot P."""
-        return self.pages
-
-    supports_static = True  # `write`: static-shape decode (`hshare.static_decode`)
-
-    # ---- static shapes ----------------------------------------------------------------------
-    def freeze(self, width: int) -> None:
-        """Static decode over `width` own columns per row (the reserve): every page slot they can
-        fall in is scored at every step (slots not reached yet hold the empty-page sentinels)."""
-        if self.low.capacity < pages_for(width, self.page_size):
-            raise RuntimeError(f"quest pages reserved for {self.low.capacity} slots, static decode needs "
-                               f"{pages_for(width, self.page_size)}")
-        self.low.freeze()
-        self.high.freeze()
-        self.frozen_width = width
-
-    def thaw(self, length: int) -> None:
-        """Back to growing pages after static steps wrote the columns up to `length`."""
-        self.low.thaw()
-        self.high.thaw()
-        self.frozen_width = None
-        self._length = length
-        self.low.length = self.high.length = pages_for(length, self.page_size)
+        return self.scored_units()
 
     def write(self, column: torch.Tensor, keys: torch.Tensor) -> None:
         """Static shapes: fold the key at the column held in `column` (``[1]`` int64 device tensor)
@@ -149,7 +146,7 @@ class QuestPageCache:
             bounds.scatter_(2, page, fold(bounds.gather(2, page), new_key.to(bounds.dtype)))
 
     # ---- metadata ---------------------------------------------------------------------------
-    def append(self, new_keys: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def add_keys(self, new_keys: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Fold new keys ``[B, Hkv, t, d]`` (columns ``[length, length + t)``) into the page bounds.
 
         Args:
@@ -158,14 +155,12 @@ class QuestPageCache:
                 first valid column.
         """
         batch, kv_heads, tokens, dim = new_keys.shape
-        if tokens == 0:
-            return
         size, device = self.page_size, new_keys.device
         if self.shift is None:
             first = valid.int().argmax(-1) if valid is not None else torch.zeros(batch, dtype=torch.long,
                                                                                            device=device)
-            self.shift = (-(self._length + first.long())) % size
-        start, end = self._length, self._length + tokens
+            self.shift = (-(self.length + first.long())) % size
+        start, end = self.length, self.length + tokens
         first_page, last_page = start // size, (end - 1 + size - 1) // size
         big = torch.finfo(new_keys.dtype).max
         held = self.low.length
@@ -194,7 +189,6 @@ class QuestPageCache:
             low_slot, high_slot = low_all[:, :, lo_page:hi_page + 1], high_all[:, :, lo_page:hi_page + 1]
             torch.minimum(low_slot, low, out=low_slot)
             torch.maximum(high_slot, high, out=high_slot)
-        self._length = end
 
     # ---- scores -----------------------------------------------------------------------------
     def page_scores(self, query: torch.Tensor, rows: torch.Tensor | None = None,
@@ -210,25 +204,11 @@ class QuestPageCache:
             ``[B', H', Q, P]`` fp32 (fp64 for fp64 queries): ``sum_c max(q_c min_c, q_c max_c)``,
             summed over the query heads of a selection head.
         """
-        batch, q_heads, steps, dim = query.shape
-        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-        grouped = query.reshape(batch, self.sel_heads, q_heads // self.sel_heads, steps, dim).to(acc)
+        acc = self.accumulation_dtype(query.dtype)
+        grouped = self.group_query_heads(query).to(acc)
         positive, negative = grouped.clamp(min=0).sum(2), grouped.clamp(max=0).sum(2)  # [B, H_sel, Q, d]
-        low, high = self.low.view(), self.high.view()  # [B, Hkv, P, d]
-        if rows is not None:
-            positive, negative = positive.index_select(0, rows), negative.index_select(0, rows)
-            low, high = low.index_select(0, rows), high.index_select(0, rows)
-        kv_of_sel = torch.arange(self.sel_heads, device=query.device) * self.kv_heads // self.sel_heads
-        if heads is None:
-            if self.sel_heads != self.kv_heads:
-                low, high = low.index_select(1, kv_of_sel), high.index_select(1, kv_of_sel)
-        else:
-            count = positive.shape[0]
-            picks = heads.expand(count, -1)
-            row_index = torch.arange(count, device=query.device)[:, None]
-            positive, negative = positive[row_index, picks], negative[row_index, picks]
-            kv = kv_of_sel[picks]
-            low, high = low[row_index, kv], high[row_index, kv]
+        positive, negative = (self.pick_selection_heads(part, rows, heads) for part in (positive, negative))
+        low, high = (self.per_selection_head(bounds.view(), rows, heads) for bounds in (self.low, self.high))
         return positive @ high.to(acc).transpose(-1, -2) + negative @ low.to(acc).transpose(-1, -2)
 
     def token_keys(self, page_scores: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -268,22 +248,3 @@ class QuestPageCache:
                       heads: torch.Tensor | None = None) -> torch.Tensor:
         """Ranking keys ``[B', H', n]`` for the decode query ``[B, Hq, d]`` of some rows and heads."""
         return self.token_keys(self.page_scores(query[:, :, None], rows, heads)[:, :, 0], rows)
-
-    # ---- cache bookkeeping ------------------------------------------------------------------
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.low.select_rows(rows)
-        self.high.select_rows(rows)
-        if self.shift is not None:
-            self.shift = self.shift.index_select(0, rows.to(self.shift.device))
-
-    def crop(self, length: int) -> None:
-        """Keep the first `length` columns. Pages past them are dropped; the bounds of a page cut in
-        the middle still include the removed keys (a looser, still valid, upper bound: the keys
-        are not kept here to recompute it)."""
-        self._length = max(0, min(self._length, length))
-        self.low.crop(pages_for(self._length, self.page_size))
-        self.high.crop(pages_for(self._length, self.page_size))
-
-    def nbytes(self) -> int:
-        """Bytes of the page bounds (min and max per page, KV head and channel)."""
-        return self.low.nbytes() + self.high.nbytes()

@@ -233,9 +233,9 @@ def test_dense_fallback_below_threshold_is_exact_and_counted():
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     assert cache.stats.dense_fallback_steps == cache.stats.decode_steps and cache.stats.sparse_steps == 0
     assert cache.stats.score_computations == 0  # no selection while dense
-    # a threshold between the first and the last step: sparse (and selecting) once the KV grows past it
-    layer_bytes = lambda n: 2 * 2 * n * 16 * 4 * 2  # rows x Hkv x tokens x d x fp32 bytes x (K, V)
-    with hshare.patched(model, "ds", sink=1, local=2, heavy=2, dense_fallback_mib=layer_bytes(65) / 2**20):
+    # a threshold between the first and the last step: sparse (and selecting) once what it saves grows past it
+    saved_bytes = lambda n: 2 * 2 * (n - 5) * 16 * 4 * 2  # rows x Hkv x (columns - N_c) x d x fp32 bytes x (K, V)
+    with hshare.patched(model, "ds", sink=1, local=2, heavy=2, dense_fallback_mib=saved_bytes(65) / 2**20):
         cache = hshare.new_cache(model)
         generate_with_logits(model, ids, mask, past_key_values=cache)
     assert cache.stats.dense_fallback_steps == 4 and cache.stats.sparse_steps == 5

@@ -210,7 +210,7 @@ def test_selected_columns_are_whole_pages_in_the_middle_never_padding(selection)
     with hshare.patched(model, "quest", selection=selection, **SMALL):
         cache = hshare.new_cache(model)
         sparse = greedy(model, ids, mask, new_tokens=8, past_key_values=cache)
-    windows = cache.state.windows  # the last step selected (query groups of 1): its middle window
+    windows = cache.planner.current.windows  # the last step selected (query groups of 1): its middle window
     for layer in cache.layers:
         heavy, shift = layer.heavy, layer.policy.shift
         assert heavy.shape == (3, cache.sel_heads, 8) and bool((heavy >= 0).all())
@@ -254,10 +254,10 @@ def test_sharing_plans_work_with_quest(selection, heads_scored):
     stats = cache.stats
     assert stats.plans == 1 and stats.selection_steps == 5
     assert stats.score_computations == 5 * 2 * heads_scored * 3  # half the layers, half the heads
-    copies = [layer for layer in cache.sparse_layers if int(cache.state.plan.layer_source[0, layer]) != layer]
+    copies = [layer for layer in cache.sparse_layers if int(cache.planner.sharing.layer_source[0, layer]) != layer]
     assert len(copies) == 2
     for layer in copies:  # a copying layer attends its source's pages
-        source = int(cache.state.plan.layer_source[0, layer])
+        source = int(cache.planner.sharing.layer_source[0, layer])
         assert torch.equal(cache.layers[layer].heavy, cache.layers[source].heavy)
     assert out.shape == (3, ids.shape[1] + 10)
 

@@ -1,0 +1,217 @@
+"""The selection-policy base class and registry: lookup, errors, and the storage mechanics every
+policy inherits (select_rows, crop, freeze, thaw, nbytes, buffers), checked for each policy against
+expectations computed from shapes and from the policy's own scores before the operation."""
+
+import pytest
+import torch
+
+import hshare.policy as policy_module
+from hshare.config import POLICIES, ConfigError, HShareConfig
+from hshare.labels import LabelCache
+from hshare.loki import LokiKeyCache
+from hshare.policy import SelectionPolicy, new_policy, policy_class, policy_names, register_policy
+from hshare.quest import QuestPageCache, pages_for
+
+BATCH, KV_HEADS, Q_HEADS, DIM, PROMPT, DECODED, RESERVE = 3, 2, 4, 8, 21, 5, 30
+PAGE, BITS, CHANNELS, RANK = 4, 8, 4, 3
+
+
+def padded_keys(seed=0):
+    """Left-padded float64 keys ``[B, Hkv, n, d]`` (prompts of 21, 9 and 14 tokens, then 5 decoded
+    columns) and their validity ``[B, n]``."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(BATCH, KV_HEADS, PROMPT + DECODED, DIM, generator=gen, dtype=torch.float64)
+    keys = keys * torch.linspace(3.0, 0.5, DIM, dtype=torch.float64)
+    valid = torch.ones(BATCH, PROMPT + DECODED, dtype=torch.bool)
+    for row, length in enumerate((21, 9, 14)):
+        valid[row, :PROMPT - length] = False
+    return keys, valid
+
+
+def make_policy(name, keys, valid, selection="kv_head", reserve=RESERVE):
+    """A policy of `name` made at a prefill of the first PROMPT columns (per-row channels for labels)."""
+    sel_heads = KV_HEADS if selection == "kv_head" else Q_HEADS
+    query = torch.randn(BATCH, Q_HEADS, PROMPT, DIM, generator=torch.Generator().manual_seed(1), dtype=keys.dtype)
+    config = HShareConfig(policy=name, selection=selection, heavy_channels="dynamic", label_channels=CHANNELS,
+                          label_bits=BITS, page_size=PAGE, loki_rank=RANK)
+    made = new_policy(config, None, 0, query, keys[:, :, :PROMPT], valid[:, :PROMPT], KV_HEADS, reserve)
+    assert type(made) is policy_class(name) and made.sel_heads == sel_heads
+    return made
+
+
+def filled(name, selection="kv_head", reserve=RESERVE, seed=0):
+    """A policy holding the prompt (with validity) and DECODED decode appends, and the keys."""
+    keys, valid = padded_keys(seed)
+    policy = make_policy(name, keys, valid, selection, reserve)
+    policy.append(keys[:, :, :PROMPT], valid[:, :PROMPT])
+    for column in range(PROMPT, PROMPT + DECODED):
+        policy.append(keys[:, :, column:column + 1])
+    return policy, keys
+
+
+def expected_nbytes(name, rows, columns, sel_heads=KV_HEADS):
+    """Bytes of the metadata of `columns` columns of `rows` rows, from the layouts (float64 keys)."""
+    if name == "labels":  # uint8 codes of r channels, float64 scale and zero per token and selection head
+        return rows * sel_heads * columns * (CHANNELS * BITS // 8 + 2 * 8)
+    if name == "quest":  # float64 min and max per page slot, KV head and channel
+        return 2 * rows * KV_HEADS * pages_for(columns, PAGE) * DIM * 8
+    return rows * KV_HEADS * columns * RANK * 8  # loki: float64 projections per column and KV head
+
+
+def expected_slots(name, columns):
+    """Slots of the first metadata buffer for `columns` columns: Quest's page slots, else the columns."""
+    return pages_for(columns, PAGE) if name == "quest" else columns
+
+
+def query_of(seed=2, rows=BATCH):
+    return torch.randn(rows, Q_HEADS, DIM, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+# ---- registry ----------------------------------------------------------------------------------
+
+def test_every_config_policy_is_registered_and_looked_up():
+    assert set(policy_names()) == set(POLICIES)
+    assert (policy_class("labels"), policy_class("quest"), policy_class("loki")) == (LabelCache, QuestPageCache,
+                                                                                  LokiKeyCache)
+    assert all(policy_class(name).name == name and policy_class(name).supports_static for name in POLICIES)
+    assert isinstance(QuestPageCache(2, 2, 16), SelectionPolicy)
+
+
+def test_an_unknown_policy_is_refused_naming_the_registered_ones():
+    with pytest.raises(ConfigError, match="unknown selection policy 'h2o'; accepted: 'labels', 'loki', 'quest'"):
+        policy_class("h2o")
+    with pytest.raises(ConfigError, match="policy = 'h2o' is invalid; accepted: 'labels', 'quest', 'loki'"):
+        HShareConfig(policy="h2o")
+
+
+def test_registration_checks_and_the_base_defaults(monkeypatch):
+    monkeypatch.setattr(policy_module, "_REGISTRY", dict(policy_module._REGISTRY))
+
+    @register_policy("counting")
+    class Counting(SelectionPolicy):
+        """Scores a token by its column (a minimal policy: no static write, default describe)."""
+        options = ("sink", "local")
+        column_buffers = ("marks",)
+
+        @classmethod
+        def from_prefill(cls, config, calibration, layer, query, new_keys, new_valid, kv_heads, reserve):
+            return cls(kv_heads, kv_heads, reserve)
+
+        def add_keys(self, new_keys, valid=None):
+            batch, heads, tokens, _ = new_keys.shape
+            self.marks.claim((batch, heads), tokens, (), torch.float32, new_keys.device).fill_(1)
+
+        def score_query(self, query):
+            return query
+
+        def prefill_scores(self, query):
+            return torch.arange(self.length, dtype=torch.float32).expand(*query.shape[:3], -1)
+
+        def decode_scores(self, query, rows=None, heads=None):
+            return torch.arange(self.length, dtype=torch.float32).expand(*query.shape[:2], -1)
+
+    assert policy_class("counting") is Counting and Counting.name == "counting" and not Counting.supports_static
+    config = HShareConfig(sink=3, local=5)
+    assert Counting.describe(config) == "counting sink=3 local=5"
+    made = policy_class("counting").from_prefill(config, None, 0, torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8),
+                                                 torch.ones(1, 4, dtype=torch.bool), 2, 0)
+    made.append(torch.zeros(1, 2, 4, 8))
+    assert made.length == 4 and made.nbytes() == 2 * 4 * 4 and made.buffers == (made.marks,)
+    with pytest.raises(NotImplementedError, match="'counting' selection policy has no static-shape write"):
+        made.write(torch.tensor([3]), torch.zeros(1, 2, 4, 8))
+
+    with pytest.raises(ValueError, match="'counting' is registered twice"):
+        register_policy("counting")(type("Other", (Counting,), {}))
+    with pytest.raises(TypeError, match="accepted: a SelectionPolicy subclass"):
+        register_policy("plain")(dict)
+    with pytest.raises(ValueError, match="unit = 'bytes'; accepted: 'tokens', 'pages'"):
+        register_policy("bytes")(type("Bytes", (Counting,), {"unit": "bytes"}))
+    with pytest.raises(TypeError, match="slot_buffers \\('pages',\\) but no slots"):
+        type("Paged", (Counting,), {"slot_buffers": ("pages",)})
+
+
+def test_each_policy_describes_itself():
+    config = HShareConfig()
+    assert LabelCache.describe(config) == "labels 16x4b, heavy channels auto"
+    assert QuestPageCache.describe(config.replace(page_size=8)) == "quest pages of 8"
+    assert LokiKeyCache.describe(config) == "loki rank head_dim/4"
+    assert LokiKeyCache.describe(config.replace(loki_rank=12)) == "loki rank 12"
+
+
+# ---- storage mechanics, for every policy ----------------------------------------------------------
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_lengths_buffers_and_bytes(name):
+    policy, _ = filled(name)
+    columns = PROMPT + DECODED
+    assert policy.length == columns
+    assert policy.nbytes() == expected_nbytes(name, BATCH, columns)
+    assert policy.scored_units() == expected_slots(name, columns)
+    column_buffers = {"labels": ("codes", "scale", "zero"), "quest": (), "loki": ("projected",)}[name]
+    assert policy.buffers == tuple(getattr(policy, buffer) for buffer in column_buffers)
+    assert all(buffer.length == columns and buffer.capacity == RESERVE for buffer in policy.buffers)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("selection", ["kv_head", "query_head"])
+def test_select_rows_reorders_repeats_and_drops_rows(name, selection):
+    """After select_rows(rows), the policy scores as the old one did at those rows; per-row tensors
+    follow (Quest's page offsets, Loki's components, dynamic labels' channels)."""
+    policy, _ = filled(name, selection)
+    query = query_of()
+    before = policy.decode_scores(query)
+    rows = torch.tensor([2, 0, 0, 1])
+    policy.select_rows(rows)
+    assert policy.nbytes() == expected_nbytes(name, 4, PROMPT + DECODED, policy.sel_heads)
+    torch.testing.assert_close(policy.decode_scores(query[rows]), before[rows], rtol=0, atol=0)
+    per_row = {"labels": "channels", "quest": "shift", "loki": "components"}[name]
+    assert getattr(policy, per_row).shape[0] == 4
+
+
+def test_calibrated_label_channels_are_shared_by_all_rows():
+    channels = torch.tensor([[[0, 2, 4, 6], [1, 3, 5, 7]]])  # [1, H_sel, r]: every row
+    labels = LabelCache(channels, BITS, KV_HEADS)
+    keys, _ = padded_keys()
+    labels.append(keys)
+    labels.select_rows(torch.tensor([1, 1, 0, 2, 2]))
+    assert labels.channels is channels and labels.codes.view().shape[0] == 5
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_crop_keeps_the_first_columns(name):
+    policy, _ = filled(name)
+    query = query_of()
+    before = policy.decode_scores(query)
+    policy.crop(17)
+    assert policy.length == 17 and policy.nbytes() == expected_nbytes(name, BATCH, 17)
+    after = policy.decode_scores(query)
+    assert after.shape == before.shape[:-1] + (17,)
+    if name != "quest":  # Quest ranks pages, and a page cut in the middle keeps its bounds (see hshare.quest)
+        torch.testing.assert_close(after, before[..., :17], rtol=0, atol=0)
+    policy.crop(40)  # beyond the length: nothing changes
+    assert policy.length == 17
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_freeze_exposes_the_reserve_and_thaw_returns(name):
+    policy, keys = filled(name)
+    columns = PROMPT + DECODED
+    query = query_of()
+    eager = policy.decode_scores(query)
+    unit = "slots" if name == "quest" else "columns"
+    needed, held = expected_slots(name, RESERVE + 8), expected_slots(name, RESERVE)
+    with pytest.raises(RuntimeError, match=f"{name} reserved for {held} {unit}, static decode needs {needed}"):
+        policy.freeze(RESERVE + 8)
+    assert policy.frozen_width is None
+    policy.freeze(RESERVE)
+    assert policy.frozen_width == RESERVE and policy.length == RESERVE and policy.scored_units() == held
+    frozen = policy.decode_scores(query)
+    assert frozen.shape == eager.shape[:-1] + (RESERVE,)
+    if name != "quest":  # token scores: the written columns score as before (Quest ranks every reserved page)
+        torch.testing.assert_close(frozen[..., :columns], eager, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="frozen"):
+        policy.append(keys[:, :, :1])
+    policy.thaw(columns)
+    assert policy.frozen_width is None and policy.length == columns
+    assert policy.scored_units() == expected_slots(name, columns)
+    torch.testing.assert_close(policy.decode_scores(query), eager, rtol=0, atol=0)
