@@ -1,5 +1,5 @@
 """The ``hshare`` command: ``demo``, ``eval``, ``sweep``, ``fidelity``, ``calibrate``, ``presets``,
-``bench attention|prefix|generate|plot``."""
+``bench attention|prefix|generate|grid|plot``."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def _bench(args: argparse.Namespace) -> int:
         bench.main_generate(Path(args.out), args.shape, args.batch, args.prompt, args.new_tokens, paths, args.shared,
                             args.layers, args.smoke,
                             {} if args.dense_fallback_mib is None else {"dense_fallback_mib": args.dense_fallback_mib},
-                            tp=args.tp, device_map=args.device_map, repeats=args.repeats)
+                            tp=args.tp, device_map=args.device_map, repeats=args.repeats, timing=args.timing)
         return 0
     run = bench.main_attention if args.what == "attention" else bench.main_prefix
     run(Path(args.out), args.smoke)
@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         from hshare.eval.lm_eval_cli import main_eval
 
         return main_eval(argv[1:])
+    if argv[:2] == ["bench", "grid"]:  # its own arguments (python -m hshare.bench.grid --help)
+        from hshare.bench.grid import main as main_grid
+
+        return main_grid(argv[2:])
     parser = argparse.ArgumentParser(prog="hshare", description="HShare sparse decoding for transformers")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -103,12 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     presets.set_defaults(run=_presets)
 
     bench = commands.add_parser("bench", help="decode attention against dense SDPA (run it on a GPU)")
-    bench.add_argument("what", choices=("attention", "prefix", "generate", "plot"))
+    bench.add_argument("what", choices=("attention", "prefix", "generate", "grid", "plot"),
+                       help="grid: `hshare bench grid --help` (its own arguments)")
     bench.add_argument("results", nargs="?", help="for plot: a results JSON written by a bench")
     bench.add_argument("--out", default="bench-results", help="directory for the JSON and PNG (default bench-results)")
     bench.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the bench runs)")
     bench.add_argument("--shape", default="llama2-7b",
-                       help="generate: llama2-7b, llama3-8b, mistral-7b, llama3-70b, tiny (random weights)")
+                       help="generate: llama2-7b, llama3-8b, llama3.1-8b, mistral-7b, llama3-70b, tiny (random weights)")
     bench.add_argument("--batch", type=int, default=16, help="generate: rows")
     bench.add_argument("--prompt", type=int, default=4096, help="generate: prompt tokens")
     bench.add_argument("--new-tokens", type=int, default=256, help="generate: new tokens")
@@ -117,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--layers", type=int, default=None, help="generate: cut the model to this many layers")
     bench.add_argument("--repeats", type=int, default=1,
                        help="generate: timed pairs (1-token, N-token generate) per path; the row gives the median")
+    bench.add_argument("--timing", choices=("pairs", "steps"), default="pairs",
+                       help="generate: pairs (t(N) - t(1), after a warm-up call) or steps (the tokens of one N-token "
+                            "generate timed as they come, the first quarter of the steps left out: a third of the "
+                            "prefills)")
     bench.add_argument("--dense-fallback-mib", type=float, default=None,
                        help="generate: HShareConfig.dense_fallback_mib for patched paths (0: sparse at any size)")
     bench.add_argument("--tp", type=int, default=1,
