@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     presets = commands.add_parser("presets", help="list the bundled presets")
     presets.set_defaults(run=_presets)
 
-    bench = commands.add_parser("bench", help="decode attention against dense SDPA (run it on a GPU)")
+    bench = commands.add_parser("bench", help="decode speed: attention, prefix, generate, grid (run it on a GPU)")
     bench.add_argument("what", choices=("attention", "prefix", "generate", "grid", "plot"),
                        help="grid: `hshare bench grid --help` (its own arguments)")
     bench.add_argument("results", nargs="?", help="for plot: a results JSON written by a bench")

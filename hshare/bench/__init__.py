@@ -1,7 +1,8 @@
 """The benchmarks of ``hshare bench``, one module each, measured on the GPU (``--smoke``: tiny
 shapes on the CPU, to check they run):
 
-* `attention`: decode attention per (layer, step) of the presets against dense SDPA;
+* `attention`: the library's real decode step per (layer, step) of the presets, eager and as CUDA
+  graphs, against the `dense` preset through the same harness and against SDPA;
 * `prefix`: shared-prefix decode attention against per-row dense SDPA, the KV a patched ``generate``
   holds for many samples of one prompt, and that ``generate`` end to end;
 * `generate`: end-to-end ``generate`` of random-weight models of real shapes, unpatched, transformers'
