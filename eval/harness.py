@@ -88,27 +88,34 @@ class TaskSuite:
     tasks: list[str]
     task_manager: Any
     task_dir: Path
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def prepare(cls, tasks: list[str], data_dir: str | os.PathLike | None, task_dir: str | os.PathLike) -> "TaskSuite":
+    def prepare(cls, tasks: list[str], data_dir: str | os.PathLike | None, task_dir: str | os.PathLike,
+                ruler: Any = None) -> "TaskSuite":
         """Generate the task configs under `task_dir` (`hshare.eval.tasks.prepare_tasks`); offline
-        (``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE``) when a data directory is used."""
+        (``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE``) when a data directory is used. `ruler`: the
+        `hshare.eval.ruler.RulerOptions` of RULER tasks (their lengths and the evaluated model's tokenizer);
+        their sentence splitter's data is put on nltk's path, and their notes (haystack, splitter) kept."""
         from lm_eval.tasks import TaskManager
 
+        from hshare.eval.ruler import use_nltk_data
         from hshare.eval.tasks import prepare_tasks, resolve_data_dir
 
-        setup = prepare_tasks(list(tasks), resolve_data_dir(data_dir), Path(task_dir))
+        setup = prepare_tasks(list(tasks), resolve_data_dir(data_dir), Path(task_dir), ruler)
         if setup.offline:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-        return cls(setup.tasks, TaskManager(include_path=setup.include_path), Path(task_dir))
+        if setup.nltk_data is not None:
+            use_nltk_data(Path(setup.nltk_data))
+        return cls(setup.tasks, TaskManager(include_path=setup.include_path), Path(task_dir), list(setup.notes))
 
 
 def evaluate(model, tokenizer, config: HShareConfig | str, tasks: "list[str] | TaskSuite",
              data_dir: str | os.PathLike | None = None, limit: int | float | None = None, batch_size: int = 8,
              num_fewshot: int | None = None, gen_kwargs: dict[str, Any] | str | None = None,
              dense_fallback: bool = False, log_samples: bool = False,
-             overrides: dict[str, Any] | None = None) -> EvalResult:
+             overrides: dict[str, Any] | None = None, ruler_lengths: list[int] | None = None) -> EvalResult:
     """Evaluate `model` patched with `config` on lm-eval `tasks`; the model is unpatched afterwards.
 
     Args:
@@ -122,10 +129,15 @@ def evaluate(model, tokenizer, config: HShareConfig | str, tasks: "list[str] | T
         gen_kwargs: lm-eval generation overrides (``{"max_gen_toks": 128}`` or its string form).
         dense_fallback: keep the config's dense fallback of small steps (off: measure the algorithm).
         overrides: `HShareConfig` fields replacing the config's.
+        ruler_lengths: token lengths of RULER tasks (``ruler`` or its stock task names; None = lm-eval's
+            default lengths), sized with `tokenizer` and capped by the model's context.
     """
     if not isinstance(tasks, TaskSuite):
+        from hshare.eval.ruler import RulerOptions
+
+        ruler = RulerOptions(lengths=ruler_lengths, model_args={"pretrained": model, "tokenizer": tokenizer})
         with tempfile.TemporaryDirectory(prefix="hshare-tasks-") as scratch:
-            suite = TaskSuite.prepare(list(tasks), data_dir, scratch)
+            suite = TaskSuite.prepare(list(tasks), data_dir, scratch, ruler)
             return evaluate(model, tokenizer, config, suite, limit=limit, batch_size=batch_size,
                             num_fewshot=num_fewshot, gen_kwargs=gen_kwargs, dense_fallback=dense_fallback,
                             log_samples=log_samples, overrides=overrides)

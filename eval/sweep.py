@@ -420,6 +420,7 @@ def add_sweep_parser(subparsers) -> None:
                                          "copy) per device: cuda:0,cuda:1, or auto (every visible CUDA device); "
                                          "worker logs in OUT/logs")
     sweep.add_argument("--data-dir", help="local task data (default: $HSHARE_DATA_DIR, else the hub)")
+    sweep.add_argument("--ruler-lengths", help="RULER tasks: token lengths, e.g. 4k,8k (default: lm-eval's)")
     sweep.add_argument("--limit", type=float, help="documents per task (an integer, or a fraction < 1)")
     sweep.add_argument("--batch-size", type=int, default=8)
     sweep.add_argument("--num-fewshot", type=int)
@@ -480,7 +481,8 @@ def main_sweep(args: argparse.Namespace) -> int:
             "data_dir": args.data_dir or os.environ.get("HSHARE_DATA_DIR"), "gen_kwargs": gen_kwargs,
             "dense_fallback": args.dense_fallback}
 
-    suite = TaskSuite.prepare(tasks, args.data_dir, out_dir / "tasks")
+    suite = TaskSuite.prepare(tasks, args.data_dir, out_dir / "tasks",
+                              _ruler_options(args, {"pretrained": model, "tokenizer": tokenizer}))
     evaluate_one = settings.evaluator(model, tokenizer, suite)
 
     with tqdm(total=len(spec.entries), desc="sweep", unit="config") as bar:
@@ -492,6 +494,15 @@ def main_sweep(args: argparse.Namespace) -> int:
         records = run_sweep(spec, evaluate_one, out_dir, tasks, limit,
                             {**settings.record_meta, "device": meta["device"]}, progress, args.dense_fallback)
     return _report(records, out_dir, meta)
+
+
+def _ruler_options(args: argparse.Namespace, model_args: dict):
+    """The `hshare.eval.ruler.RulerOptions` of the sweep's RULER tasks: ``--ruler-lengths`` and the evaluated
+    model (its tokenizer sizes the documents)."""
+    from hshare.eval.ruler import RulerOptions, parse_lengths
+
+    lengths = None if args.ruler_lengths is None else parse_lengths(args.ruler_lengths)
+    return RulerOptions(lengths=lengths, model_args={k: v for k, v in model_args.items() if v is not None})
 
 
 def _main_parallel(args: argparse.Namespace, spec: SweepSpec, settings: RunSettings, devices: list[str]) -> int:
@@ -520,7 +531,8 @@ def _main_parallel(args: argparse.Namespace, spec: SweepSpec, settings: RunSetti
         if pending:
             if args.model is None:
                 _convert_default_model()  # once, before the workers load it
-            suite = TaskSuite.prepare(tasks, args.data_dir, out_dir / "tasks")
+            model_args = {} if args.model is None else {"pretrained": args.model, "gguf_file": args.gguf_file}
+            suite = TaskSuite.prepare(tasks, args.data_dir, out_dir / "tasks", _ruler_options(args, model_args))
             workers = min(len(devices), len(pending))
             bar.write(f"hshare sweep: {len(pending)} config(s) over {workers} worker(s) on "
                       f"{', '.join(devices[:workers])}; their logs: {out_dir / 'logs'}")

@@ -385,3 +385,17 @@ def test_device_named_when_not_given(model_dir, data_dir, tmp_path):
     assert argv[argv.index("--device") + 1] == ("cuda:0" if torch.cuda.is_available() else "cpu")
     argv, _ = lm_eval_argv(base + ["--device", "meta"], tmp_path / "b")
     assert argv.count("--device") == 1 and argv[argv.index("--device") + 1] == "meta"
+
+
+@pytest.mark.slow
+def test_python_evaluate_runs_ruler(model_dir, data_dir, hub_offline, no_nltk_download):
+    """`hshare.eval.harness.evaluate` (what `hshare sweep` calls) sizes RULER with the loaded model's tokenizer."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from hshare.eval.harness import evaluate
+
+    model, tokenizer = LlamaForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    result = evaluate(model, tokenizer, "dense", ["niah_single_2"], data_dir=data_dir, limit=1, batch_size=1,
+                      gen_kwargs={"max_gen_toks": 4}, ruler_lengths=[LENGTH])
+    assert 0.0 <= result.scores["niah_single_2"][f"{LENGTH},none"] <= 1.0
+    assert result.work["decode_steps"] > 0
