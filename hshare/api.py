@@ -33,9 +33,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from hshare import compat
 from hshare.attention import ATTENTION_NAME, hshare_attention
 from hshare.cache import HShareCache
-from hshare.channels import ChannelCalibration, resolve_calibration
 from hshare.config import HShareConfig, resolve_config
 from hshare.patches import adapter_for
+from hshare.policy import policy_class
 from hshare.generate_features import OUTPUT_ATTENTIONS_REFUSED, refusal
 from hshare.shared_generate import generate_with_shared_prefix
 from hshare.static_decode import (StaticDecodeReport, StaticDecoder, new_token_budget, placement_devices,
@@ -49,7 +49,7 @@ class PatchState:
     """What `patch` changed on a model, so that `unpatch` can undo it."""
 
     config: HShareConfig
-    calibration: ChannelCalibration | None
+    policy_state: Any  # the policy's `SelectionPolicy.model_state` (labels: a heavy-channel calibration)
     previous_attn_implementation: str | None
     hooks: list[Any]
     had_instance_generate: bool
@@ -105,7 +105,7 @@ def new_cache(model) -> HShareCache:
     state = patch_state(model)
     if state is None:
         raise ValueError(f"{type(model).__name__} is not patched; call hshare.patch(model) first")
-    return HShareCache(state.config, model.config, state.calibration)
+    return HShareCache(state.config, model.config, state.policy_state)
 
 
 def patch_state(model) -> PatchState | None:
@@ -229,11 +229,11 @@ def patch(model, config: HShareConfig | str | os.PathLike | None = None, **overr
     model_config = model.config
     config.validate_for_model(model_config.num_hidden_layers, adapter.head_dim(model_config))
     refuse_split_placement(model, config)
-    calibration = resolve_calibration(config.heavy_channels, model_config) if config.sparse else None
+    policy_state = policy_class(config.policy).model_state(config, model_config) if config.sparse else None
 
     state = patch_state(model)
     if state is not None:  # patched already: swap the config, keep hooks and wrappers
-        state.config, state.calibration = config, calibration
+        state.config, state.policy_state = config, policy_state
         return model
 
     _register()
@@ -244,7 +244,7 @@ def patch(model, config: HShareConfig | str | os.PathLike | None = None, **overr
     hooks.append(model.base_model.register_forward_pre_hook(_begin_forward, with_kwargs=True))
     hooks.append(model.register_forward_hook(_after_forward, with_kwargs=True))
     had_instance_generate = "generate" in model.__dict__
-    model.__dict__[_STATE_ATTR] = PatchState(config, calibration, previous, hooks, had_instance_generate)
+    model.__dict__[_STATE_ATTR] = PatchState(config, policy_state, previous, hooks, had_instance_generate)
     if not had_instance_generate:
         _wrap_generate(model)
     return model

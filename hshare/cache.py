@@ -22,17 +22,17 @@ columns change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hshare.buffer import GrowingBuffer
-from hshare.channels import ChannelCalibration
 from hshare.config import HShareConfig
 from hshare.counters import DecodeStats
 from hshare.heads import HeadShard
 from hshare.patches import sliding_window
-from hshare.policy import SelectionPolicy
+from hshare.policy import SelectionPolicy, policy_class
 from hshare.prefix_store import PrefixStore
 from hshare.step import StepPlanner
 
@@ -152,17 +152,18 @@ class HShareCache(Cache):
     Args:
         config: the validated `HShareConfig`.
         model_config: the model's transformers config.
-        calibration: heavy channels from a calibration file, or None (dynamic per row).
+        policy_state: the selection policy's model-level state (`SelectionPolicy.model_state`; labels: a
+            heavy-channel calibration), held opaquely for the policy; None = none.
         reserve: own columns per row to allocate at once (the prompt plus ``max_new_tokens`` - 1; 0 =
             grow as needed). Required for static shapes (`freeze`).
     """
 
-    def __init__(self, config: HShareConfig, model_config, calibration: ChannelCalibration | None = None,
+    def __init__(self, config: HShareConfig, model_config, policy_state: Any = None,
                  reserve: int = 0) -> None:
         self.num_layers = model_config.num_hidden_layers
         super().__init__(layers=[HShareLayer(reserve) for _ in range(self.num_layers)])
         self.config = config
-        self.calibration = calibration
+        self.policy_state = policy_state
         self.reserve = reserve
         self.heads: HeadShard | None = None
         self.q_heads: int | None = None
@@ -186,12 +187,12 @@ class HShareCache(Cache):
 
     def set_heads(self, heads: HeadShard) -> None:
         """Size the per-head state from the heads the attention function receives (the first
-        prefill; `hshare.heads.head_shard`). A calibration is narrowed to the rank's query heads."""
+        prefill; `hshare.heads.head_shard`). The policy's state follows the heads (`SelectionPolicy.state_for_heads`)."""
         self.heads = heads
         self.q_heads, self.kv_heads = heads.q_heads, heads.kv_heads
         self.sel_heads = heads.kv_heads if self.config.selection == "kv_head" else heads.q_heads
-        if self.calibration is not None and heads.sharded:
-            self.calibration = self.calibration.head_slice(heads.q_offset, heads.q_heads)
+        if self.config.sparse:
+            self.policy_state = policy_class(self.config.policy).state_for_heads(self.policy_state, heads)
 
     def check_heads(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         """Every layer and forward must attend with the heads `set_heads` saw."""

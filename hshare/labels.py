@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hshare.channels import dynamic_channels
+from hshare.channels import dynamic_channels, resolve_calibration
 from hshare.config import HShareConfig
 from hshare.kernels import append_labels, decode_label_scores, label_scores, label_storage_dtype, query_labels
 from hshare.policy import SelectionPolicy, register_policy
@@ -20,6 +20,7 @@ from hshare.policy import SelectionPolicy, register_policy
 if TYPE_CHECKING:
     from hshare.buffer import GrowingBuffer
     from hshare.channels import ChannelCalibration
+    from hshare.heads import HeadShard
 
 
 @register_policy("labels")
@@ -52,16 +53,27 @@ class LabelCache(SelectionPolicy):
         self.bits = bits
 
     @classmethod
-    def from_prefill(cls, config: HShareConfig, calibration: ChannelCalibration | None, layer: int,
+    def from_prefill(cls, config: HShareConfig, model_state: ChannelCalibration | None, layer: int,
                      query: torch.Tensor, new_keys: torch.Tensor, new_valid: torch.Tensor, kv_heads: int,
                      reserve: int) -> LabelCache:
-        """Heavy channels from the calibration (all rows), or per row from the prompt's queries and
-        keys (`hshare.channels.dynamic_channels`) when there is none."""
-        if calibration is not None:
-            channels = calibration.channels(layer, kv_heads, config.selection, config.label_channels).to(query.device)
+        """Heavy channels from the calibration `model_state` (all rows), or per row from the prompt's queries
+        and keys (`hshare.channels.dynamic_channels`) when there is none."""
+        if model_state is not None:
+            channels = model_state.channels(layer, kv_heads, config.selection, config.label_channels).to(query.device)
         else:
             channels = dynamic_channels(query, new_keys, new_valid, config.selection, config.label_channels)
         return cls(channels, config.label_bits, kv_heads, reserve)
+
+    @classmethod
+    def model_state(cls, config: HShareConfig, model_config) -> ChannelCalibration | None:
+        """The heavy-channel calibration ``config.heavy_channels`` names for this model (`hshare.channels`),
+        or None: chosen per row from each prompt."""
+        return resolve_calibration(config.heavy_channels, model_config)
+
+    @classmethod
+    def state_for_heads(cls, state: ChannelCalibration | None, heads: HeadShard) -> ChannelCalibration | None:
+        """A calibration narrowed to a tensor-parallel rank's query heads."""
+        return state.head_slice(heads.q_offset, heads.q_heads) if state is not None and heads.sharded else state
 
     @classmethod
     def describe(cls, config: HShareConfig) -> str:

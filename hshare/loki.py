@@ -32,7 +32,7 @@ Rank: ``HShareConfig.loki_rank``; None = ``head_dim // 4`` (a quarter of the hea
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,7 +41,6 @@ from hshare.policy import SelectionPolicy, register_policy
 
 if TYPE_CHECKING:
     from hshare.buffer import GrowingBuffer
-    from hshare.channels import ChannelCalibration
 
 
 def loki_rank(config: HShareConfig, head_dim: int) -> int:
@@ -110,7 +109,7 @@ class LokiKeyCache(SelectionPolicy):
         self.components = components
 
     @classmethod
-    def from_prefill(cls, config: HShareConfig, calibration: ChannelCalibration | None, layer: int,
+    def from_prefill(cls, config: HShareConfig, model_state: Any, layer: int,
                      query: torch.Tensor, new_keys: torch.Tensor, new_valid: torch.Tensor, kv_heads: int,
                      reserve: int) -> LokiKeyCache:
         """Principal directions of each row's valid prompt keys `new_keys` (the calibration of heavy

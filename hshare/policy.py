@@ -22,7 +22,7 @@ looks it up. Each lives in one module: `hshare.labels` (``"labels"``), `hshare.q
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
@@ -30,7 +30,7 @@ from hshare.buffer import GrowingBuffer
 from hshare.config import ConfigError, HShareConfig
 
 if TYPE_CHECKING:
-    from hshare.channels import ChannelCalibration
+    from hshare.heads import HeadShard
 
 SCORED_UNITS = ("tokens", "pages")  # the `hshare.counters.DecodeStats` counters scored_tokens, scored_pages
 
@@ -94,10 +94,23 @@ class SelectionPolicy(ABC):
     # ---- what a policy implements ---------------------------------------------------------
     @classmethod
     @abstractmethod
-    def from_prefill(cls, config: HShareConfig, calibration: ChannelCalibration | None, layer: int,
+    def from_prefill(cls, config: HShareConfig, model_state: Any, layer: int,
                      query: torch.Tensor, new_keys: torch.Tensor, new_valid: torch.Tensor, kv_heads: int,
                      reserve: int) -> SelectionPolicy:
         """An empty policy for one sparse layer, made at its first prefill (`new_policy`'s arguments)."""
+
+    @classmethod
+    def model_state(cls, config: HShareConfig, model_config) -> Any:
+        """What the policy knows of the model before any prompt, resolved once when the model is patched
+        (labels: a heavy-channel calibration), or None. The cache holds it opaquely and hands it to
+        `from_prefill`."""
+        return None
+
+    @classmethod
+    def state_for_heads(cls, state: Any, heads: HeadShard) -> Any:
+        """`state` for the heads one process attends with (`hshare.heads.HeadShard`: a tensor-parallel
+        rank's slice); the default keeps it as it is."""
+        return state
 
     @abstractmethod
     def add_keys(self, new_keys: torch.Tensor, valid: torch.Tensor | None) -> None:
@@ -295,18 +308,18 @@ def policy_class(name: str) -> type[SelectionPolicy]:
                           f"{', '.join(map(repr, policy_names()))}") from None
 
 
-def new_policy(config: HShareConfig, calibration: ChannelCalibration | None, layer: int, query: torch.Tensor,
+def new_policy(config: HShareConfig, model_state: Any, layer: int, query: torch.Tensor,
                new_keys: torch.Tensor, new_valid: torch.Tensor, kv_heads: int, reserve: int = 0) -> SelectionPolicy:
     """An empty policy of ``config.policy`` for one sparse layer, made at its first prefill
     (`SelectionPolicy.from_prefill`).
 
     Args:
-        calibration: heavy channels of the model (labels), or None (chosen per row, dynamic).
+        model_state: the policy's `SelectionPolicy.model_state` (labels: a calibration, or None: chosen per row).
         reserve: columns to allocate at once (the generation's final length).
         query: ``[B, Hq, T, d]`` the prefill queries; new_keys: ``[B, Hkv, T, d]`` their keys;
             new_valid: ``[B, T]`` validity of those keys (what a policy made from the prompt reads).
     """
-    return policy_class(config.policy).from_prefill(config, calibration, layer, query, new_keys, new_valid,
+    return policy_class(config.policy).from_prefill(config, model_state, layer, query, new_keys, new_valid,
                                                     kv_heads, reserve)
 
 

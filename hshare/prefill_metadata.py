@@ -59,7 +59,7 @@ def defer(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch
     layer = cache.layers[layer_idx]
     if layer.policy is None:
         q_len, kv_len = query.shape[2], key.shape[2]
-        layer.policy = new_policy(cache.config, cache.calibration, layer_idx, query, key[:, :, kv_len - q_len:],
+        layer.policy = new_policy(cache.config, cache.policy_state, layer_idx, query, key[:, :, kv_len - q_len:],
                                   valid[:, kv_len - q_len:], cache.kv_heads, cache.reserve)
     evidence = None
     if planner.collects_evidence:

@@ -34,7 +34,7 @@ All of it is plain PyTorch (CPU and CUDA alike); nothing here goes through the l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,7 +43,6 @@ from hshare.policy import SelectionPolicy, register_policy
 
 if TYPE_CHECKING:
     from hshare.buffer import GrowingBuffer
-    from hshare.channels import ChannelCalibration
 
 _APPEND_CHUNK_ELEMENTS = 1 << 24  # key elements gathered at once by `append` (bounds prefill memory)
 
@@ -116,7 +115,7 @@ class QuestPageCache(SelectionPolicy):
         self.shift: torch.Tensor | None = None
 
     @classmethod
-    def from_prefill(cls, config: HShareConfig, calibration: ChannelCalibration | None, layer: int,
+    def from_prefill(cls, config: HShareConfig, model_state: Any, layer: int,
                      query: torch.Tensor, new_keys: torch.Tensor, new_valid: torch.Tensor, kv_heads: int,
                      reserve: int) -> QuestPageCache:
         """Empty pages of ``config.page_size`` columns (the first append pages each row)."""

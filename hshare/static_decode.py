@@ -313,9 +313,9 @@ def warm_signature(cache: HShareCache, kind: str) -> tuple:
     prefix = None if cache.prefix is None else tuple(
         (level.groups, level.width, tuple(level.members.shape), level.key_valid is None, level.all_rows_in_order)
         for level in cache.prefix.levels)
-    calibration = None if cache.calibration is None else tuple(cache.calibration.statistic.shape)
+    policy_state = None if cache.policy_state is None else type(cache.policy_state).__name__  # model-level, or per row
     return (kind, tuple(keys.shape), keys.dtype, cache.q_heads, cache.kv_heads, cache.sel_heads, repr(cache.config),
-            plan, prefix, calibration, planner.dense_throughout)
+            plan, prefix, policy_state, planner.dense_throughout)
 
 
 def _shape(tensor: torch.Tensor | None) -> tuple | None:

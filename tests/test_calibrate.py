@@ -65,7 +65,7 @@ def test_patch_finds_a_calibration_by_model_name(tmp_path, monkeypatch):
     assert find_calibration(model.config) == mine
     assert json.loads(mine.read_text())["model"] == "My-Tiny.Llama"
     hshare.patch(model, "ds", heavy_channels="auto")
-    patched = hshare.api.patch_state(model).calibration
+    patched = hshare.api.patch_state(model).policy_state
     assert patched is not None and torch.equal(patched.statistic, resolve_calibration("auto", model.config).statistic)
     hshare.unpatch(model)
 

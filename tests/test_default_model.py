@@ -37,5 +37,5 @@ def test_smollm2_uses_bundled_calibration_and_stays_exact_within_budget():
     ref = model.generate(**inputs, **kwargs)
     with hshare.patched(model, "hshare-1_2-1_2-1_2@512"):  # N_c 512 covers these ~250-token contexts
         cache = hshare.new_cache(model)
-        assert cache.calibration is not None
+        assert cache.policy_state is not None
         assert torch.equal(model.generate(**inputs, past_key_values=cache, **kwargs), ref)
