@@ -126,7 +126,7 @@ class HShareConfig:
             below it the sparse step's selection, gather and launches cost more than the reads saved
             (`hshare.step.StepPlanner.sparse_pays`; ``cache.planner.decision`` says what the last step
             chose and why). None = auto: on CUDA 96 for steps replayed as CUDA graphs and 768 for eager
-            steps (the crossover: ``benchmarks/RESULTS.md``), 0 elsewhere; 0 = sparse at any size.
+            steps (calibrated by ``hshare bench grid``), 0 elsewhere; 0 = sparse at any size.
         prefix: shared-prefix attention inside ``generate`` (Hydragen): "auto" stores a prompt
             prefix shared by the rows once when it pays (at least `prefix_min_tokens` shared
             tokens, `prefix_min_batch` rows sharing them and `prefix_min_saved_tokens` token reads

@@ -165,8 +165,8 @@ def test_sparse_reads_of_a_generate_and_weight_bytes():
 
 
 def test_peak_estimate_covers_measured_peaks_and_skips_what_cannot_fit():
-    """Two measured peaks (benchmarks/RESULTS.md): Llama-2-7B B16 x 4k 52.9 GiB, Llama-3-8B B4 x 32k 50.2 GiB;
-    the estimate lands above each by under 2 GiB. A padded B1 x 128k prefill needs its quadratic mask."""
+    """The estimate lands above each measured peak (the `measured` GiB below, from `hshare bench generate` on an
+    H100) by under 2 GiB. A padded B1 x 128k prefill needs its quadratic mask."""
     for shape, batch, prompt, new, measured in (("llama2-7b", 16, 4096, 256, 52.9), ("llama3-8b", 4, 32768, 128, 50.2)):
         model_class, config = generate.model_config(shape, None, prompt + new + 8)
         weights = roofline.parameter_bytes(model_class, config, torch.bfloat16)

@@ -146,8 +146,8 @@ def estimated_peak_bytes(model_config, weight_bytes: float, element_bytes: int, 
                         B x n x n x e, when padded))
         peak      = 1.02 x (held + transient) + 1 GiB
 
-    Calibrated on the peaks measured at two shapes (Llama-2-7B B16 x 4k, Llama-3-8B B4 x 32k, one row in
-    four padded, in `benchmarks/RESULTS.md`): it lands a little above both.
+    Calibrated against measured peaks (`hshare bench generate` reports them): it errs a little high, so a
+    shape it skips would not have fit.
     """
     hidden, inner = model_config.hidden_size, model_config.intermediate_size
     query_width = model_config.num_attention_heads * patches.head_dim(model_config)
