@@ -256,7 +256,7 @@ def _measure_config(model, label: str, config, windows: torch.Tensor, tokens: to
     predictions = tokens.numel()
     return FidelityResult(config=label, length=windows.shape[1], windows=windows.shape[0], steps=tokens.shape[1],
                           predictions=predictions, agreement=agree / predictions, kl=kl / predictions,
-                          budget=config.budget if config.sparse else None, stats=stats)
+                          budget=config.budget.total if config.sparse else None, stats=stats)
 
 
 def measure_fidelity(model, tokenizer_or_ids, text: str | None, lengths: Sequence[int], configs: Sequence,
@@ -458,12 +458,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     """``"heavy=200"`` -> ``("heavy", 200)``; the value is read as YAML (numbers, true/false, lists)."""
     import yaml
 
-    from hshare.config import HShareConfig
+    from hshare.config import option_names
 
     name, sep, value = text.partition("=")
-    known = sorted(f.name for f in dataclasses.fields(HShareConfig) if f.name != "name")
+    known = option_names()
     if not sep or name.strip() not in known:
-        raise argparse.ArgumentTypeError(f"--set {text!r}: accepted: field=value with an HShareConfig field "
+        raise argparse.ArgumentTypeError(f"--set {text!r}: accepted: option=value with an HShareConfig option "
                                          f"({', '.join(known)})")
     return name.strip(), yaml.safe_load(value)
 
@@ -486,7 +486,7 @@ def add_fidelity_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=64, help="forced continuation tokens per window (default 64)")
     p.add_argument("--batch", type=int, default=1, help="windows per forward (default 1: windows independent)")
     p.add_argument("--set", dest="overrides", type=parse_override, action="append", default=[], metavar="FIELD=VALUE",
-                   help="an HShareConfig field for every config (repeatable); dense_fallback_mib is 0 unless set")
+                   help="an HShareConfig option (flat or dotted name) for every config (repeatable); dense_fallback_mib is 0 unless set")
     p.add_argument("--out", default="fidelity-results", help="directory for the outputs (default fidelity-results)")
     p.set_defaults(run=run_fidelity)
     return p

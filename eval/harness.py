@@ -58,7 +58,7 @@ def evaluation_config(config: HShareConfig | str | None, overrides: dict[str, An
     the device (``dense_fallback_mib`` None), it is off unless `dense_fallback`: evaluation
     measures the algorithm. A value the config or the overrides set explicitly is kept."""
     resolved = resolve_config(config, **(overrides or {}))
-    if not dense_fallback and resolved.dense_fallback_mib is None:
+    if not dense_fallback and resolved.runtime.dense_fallback_mib is None:
         resolved = resolved.replace(dense_fallback_mib=0.0)
     return resolved
 
@@ -155,7 +155,7 @@ def evaluate(model, tokenizer, config: HShareConfig | str, tasks: "list[str] | T
     finally:
         lm.unpatch()
     return EvalResult(
-        config=dataclasses.asdict(lm.hshare_config),
+        config=lm.hshare_config.to_dict(),
         scores=task_scores(results),
         work=lm.work.as_dict(),
         seconds=time.perf_counter() - start,

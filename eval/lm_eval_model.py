@@ -9,7 +9,7 @@ Registered with lm-eval on import (``@register_model("hshare")``), so that
 ``parallelize``, ...), plus:
 
 * ``hshare``: a preset name, a YAML path, or ``dense`` (default ``hshare-1_2-1_2-1_2``);
-* ``hshare_<field>``: an `HShareConfig` field override (``hshare_heavy=200``,
+* ``hshare_<option>``: an `HShareConfig` option override (``hshare_heavy=200``,
   ``hshare_layer_sharing=3/4``, ``hshare_dense_layers=0;1``: list items separated by ``;``);
 * ``dense_fallback``: keep the config's dense fallback for small steps (default False: evaluation
   measures the algorithm, so every decode step of a sparse layer is sparse);
@@ -49,7 +49,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from hshare.api import new_cache, patch, patch_state, refuse_split_placement, unpatch
-from hshare.config import ConfigError, HShareConfig
+from hshare.config import ConfigError, HShareConfig, option_names
 from hshare.eval.harness import evaluation_config
 
 OVERRIDE_PREFIX = "hshare_"
@@ -131,19 +131,20 @@ def default_model_dir() -> Path:
 
 
 def parse_overrides(model_args: dict[str, Any]) -> dict[str, Any]:
-    """``hshare_<field>`` entries of lm-eval ``model_args`` -> `HShareConfig` overrides (popped).
+    """``hshare_<option>`` entries of lm-eval ``model_args`` -> `HShareConfig` overrides (popped); the
+    option is a flat or dotted option name (`hshare.config.option_names`).
 
     Raises:
-        ConfigError: a field `HShareConfig` does not have (the message lists the fields).
+        ConfigError: an option `HShareConfig` does not have (the message lists the options).
     """
-    fields = {f.name for f in dataclasses.fields(HShareConfig)} - {"name"}
+    known = set(option_names())
     overrides = {}
     for key in [k for k in model_args if k.startswith(OVERRIDE_PREFIX)]:
         name, value = key[len(OVERRIDE_PREFIX):], model_args.pop(key)
-        if name not in fields:
-            raise ConfigError(f"model_args {key}: HShareConfig has no field {name!r}; accepted: "
-                                     f"{', '.join(OVERRIDE_PREFIX + f for f in sorted(fields))}")
-        if name == "dense_layers" and isinstance(value, (str, int)):
+        if name not in known:
+            raise ConfigError(f"model_args {key}: HShareConfig has no option {name!r}; accepted: "
+                              f"{', '.join(OVERRIDE_PREFIX + f for f in option_names())}")
+        if name in ("dense_layers", "sharing.dense_layers") and isinstance(value, (str, int)):
             value = tuple(int(i) for i in str(value).replace(";", " ").split())
         overrides[name] = value
     return overrides

@@ -52,8 +52,7 @@ def run_path(out_dir: Path, entry: SweepEntry) -> Path:
 
 def _identity(entry: SweepEntry, tasks: list[str], limit: Any, dense_fallback: bool = False) -> dict[str, Any]:
     """What must match for a finished run to be reused: tasks, limit, and the config that runs."""
-    config = dataclasses.asdict(evaluation_config(entry.config(), dense_fallback=dense_fallback))
-    config.pop("name", None)
+    config = evaluation_config(entry.config(), dense_fallback=dense_fallback).to_dict()
     return {"tasks": sorted(tasks), "limit": limit, "config": json.loads(json.dumps(config, default=str))}
 
 

@@ -9,20 +9,27 @@ See README.md.
 from hshare.api import new_cache, patch, patched, unpatch
 from hshare.cache import HShareCache
 from hshare.counters import DecodeStats
-from hshare.config import ConfigError, HShareConfig, preset_names
+from hshare.config import (BudgetConfig, ConfigError, HShareConfig, PlannerConfig, PrefixConfig, RuntimeConfig,
+                           SharingConfig, preset_names, resolve_config)
 from hshare.patches import UnsupportedModelError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BudgetConfig",
     "ConfigError",
     "DecodeStats",
     "HShareCache",
     "HShareConfig",
+    "PlannerConfig",
+    "PrefixConfig",
+    "RuntimeConfig",
+    "SharingConfig",
     "UnsupportedModelError",
     "new_cache",
     "patch",
     "patched",
     "preset_names",
+    "resolve_config",
     "unpatch",
 ]

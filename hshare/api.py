@@ -229,7 +229,7 @@ def patch(model, config: HShareConfig | str | os.PathLike | None = None, **overr
     model_config = model.config
     config.validate_for_model(model_config.num_hidden_layers, adapter.head_dim(model_config))
     refuse_split_placement(model, config)
-    policy_state = policy_class(config.policy).model_state(config, model_config) if config.sparse else None
+    policy_state = policy_class(config.policy.name).model_state(config, model_config) if config.sparse else None
 
     state = patch_state(model)
     if state is not None:  # patched already: swap the config, keep hooks and wrappers

@@ -81,7 +81,7 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if step.selecting:
         _keep_heavy(cache, layer, _select_heavy_columns(cache, step, layer_idx, query))
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
-        layer.heavy = torch.full((query.shape[0], cache.sel_heads, cache.config.heavy), NO_TOKEN, dtype=torch.long,
+        layer.heavy = torch.full((query.shape[0], cache.sel_heads, cache.config.budget.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
     if step.windows.all_short and cache.prefix is None:  # every row fits the budget: exact dense attention
         planner.work.add_dense_layer()
@@ -108,14 +108,14 @@ def _prefill(module, cache: HShareCache, layer_idx: int, query: torch.Tensor, ke
         valid = valid_columns_from_mask(attention_mask, batch, kv_len, 1, query.device)[:, 0]
         prefill_metadata.defer(cache, planner, layer_idx, query, key, valid)
     if prefix is not None:
-        if config.sparse_prefill:
-            raise ValueError("HShareConfig.sparse_prefill does not combine with a shared prefix; accepted: "
+        if config.runtime.sparse_prefill:
+            raise ValueError("HShareConfig.runtime.sparse_prefill does not combine with a shared prefix; accepted: "
                              "prefix='off' (or 'auto', which does not share with sparse prefill)")
         return _own_prefill_attention(query, key, value, attention_mask, scaling, prefix)
-    if sparse and config.sparse_prefill and kv_len > config.budget:
+    if sparse and config.runtime.sparse_prefill and kv_len > config.budget.total:
         prefill_metadata.complete(cache, planner, layer_idx)  # sparse prefill scores with the metadata now
         return sparse_prefill_attention(query, key, value, attention_mask, scaling, cache.layers[layer_idx].policy,
-                                        config.sink, config.local, config.heavy), None
+                                        config.budget.sink, config.budget.local, config.budget.heavy), None
     # dense (a context within the budget: every row would attend to all its keys anyway)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
@@ -196,14 +196,14 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
         count = middle.shape[0]
         heads = None if share.all_heads else source_heads
         scores = layer.policy.decode_scores(query[:, :, 0], rows=rows, heads=heads)  # [B', n_src, n]
-        chosen = select_heavy(scores, middle[:, None], config.heavy)
+        chosen = select_heavy(scores, middle[:, None], config.budget.heavy)
         if not share.all_heads:
-            slots = head_slot.expand(count, -1)[..., None].expand(-1, -1, config.heavy)
+            slots = head_slot.expand(count, -1)[..., None].expand(-1, -1, config.budget.heavy)
             chosen = chosen.gather(1, slots)
         if rows is None:
             heavy = chosen
         else:
-            heavy = torch.full((batch, cache.sel_heads, config.heavy), NO_TOKEN, dtype=torch.long,
+            heavy = torch.full((batch, cache.sel_heads, config.budget.heavy), NO_TOKEN, dtype=torch.long,
                                device=query.device)
             heavy[rows] = chosen
     for source_layer, copy_rows in share.copy_groups:

@@ -190,9 +190,9 @@ class HShareCache(Cache):
         prefill; `hshare.heads.head_shard`). The policy's state follows the heads (`SelectionPolicy.state_for_heads`)."""
         self.heads = heads
         self.q_heads, self.kv_heads = heads.q_heads, heads.kv_heads
-        self.sel_heads = heads.kv_heads if self.config.selection == "kv_head" else heads.q_heads
+        self.sel_heads = heads.kv_heads if self.config.planner.selection == "kv_head" else heads.q_heads
         if self.config.sparse:
-            self.policy_state = policy_class(self.config.policy).state_for_heads(self.policy_state, heads)
+            self.policy_state = policy_class(self.config.policy.name).state_for_heads(self.policy_state, heads)
 
     def check_heads(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         """Every layer and forward must attend with the heads `set_heads` saw."""

@@ -124,7 +124,7 @@ def find_calibration(model_config) -> Path | None:
 
 
 def resolve_calibration(heavy_channels: str, model_config) -> ChannelCalibration | None:
-    """The calibration to use for `HShareConfig.heavy_channels` ('auto', 'dynamic' or a path)."""
+    """The calibration to use for `LabelsConfig.heavy_channels` ('auto', 'dynamic' or a path)."""
     if heavy_channels == "dynamic":
         return None
     path = find_calibration(model_config) if heavy_channels == "auto" else Path(heavy_channels)

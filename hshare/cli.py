@@ -38,13 +38,13 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _presets(args: argparse.Namespace) -> int:
     from hshare.config import HShareConfig, preset_names
-    from hshare.policy import policy_class
 
     for name in preset_names():
         c = HShareConfig.from_preset(name)
-        scores = policy_class(c.policy).describe(c) if c.heavy else "no scoring"
-        detail = (f"N_c {c.budget} = {c.sink}+{c.local}+{c.heavy}, sharing {c.layer_sharing:g}-{c.head_sharing:g}-"
-                  f"{c.query_sharing:g}, {scores}") if c.sparse else "exact dense"
+        b, s = c.budget, c.sharing
+        scores = c.policy.describe() if b.heavy else "no scoring"
+        detail = (f"N_c {b.total} = {b.sink}+{b.local}+{b.heavy}, sharing {s.layer:g}-{s.head:g}-{s.query:g}, "
+                  f"{scores}") if c.sparse else "exact dense"
         print(f"{name:<26}{detail}")
     return 0
 
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                             "generate timed as they come, the first quarter of the steps left out: a third of the "
                             "prefills)")
     bench.add_argument("--dense-fallback-mib", type=float, default=None,
-                       help="generate: HShareConfig.dense_fallback_mib for patched paths (0: sparse at any size)")
+                       help="generate: HShareConfig.runtime.dense_fallback_mib for patched paths (0: sparse at any size)")
     bench.add_argument("--tp", type=int, default=1,
                        help="generate: tensor-parallel ranks, one a GPU; run under torchrun: `torchrun --standalone "
                             "--nproc-per-node N -m hshare.cli bench generate --tp N ...` (rank 0 prints and writes)")

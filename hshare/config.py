@@ -1,18 +1,30 @@
-"""`HShareConfig`: what to keep at each decode step and how selections are shared.
+"""`HShareConfig`: what a patched model keeps at each decode step and how selections are shared.
 
-Vocabulary of the HShare paper (Wu et al., ICLR 2025, section 4):
+The contract. One `HShareConfig` holds ``sparse`` (False = exact dense attention, the ``dense``
+preset) and six sections, each a validated frozen dataclass:
 
-* critical tokens N_c = ``sink`` (first valid tokens) + ``local`` (most recent tokens, the current one
-  included) + ``heavy`` (top scorers of the middle window ``[sink, n - local)``);
-* approximate scores come from a *selection policy* (``policy``): ``"labels"`` scores tokens on
-  ``label_channels`` heavy channels of every cached key, quantized to ``label_bits`` (DoubleSparse,
-  HShare); ``"quest"`` scores pages of ``page_size`` columns by the channel-wise min and max of their
-  keys (Quest, Tang et al., ICML 2024); ``"loki"`` scores tokens on their keys' top ``loki_rank``
-  principal components (Loki, Singhania et al., NeurIPS 2024). Sharing, windows and budgets are the
-  same for all;
-* sharing ratios a-b-c (section 4.2, eq. 4): ``layer_sharing`` = 1 - k_l / n_l,
-  ``head_sharing`` = 1 - k_h / n_h, ``query_sharing`` = 1 / query group size (reselect every
-  ``query_group`` decode steps).
+* ``budget`` (`BudgetConfig`): the critical tokens N_c = ``sink`` (first valid tokens) + ``local``
+  (most recent, the current one included) + ``heavy`` (top scorers of the middle window
+  ``[sink, n - local)``); ``budget.total`` is N_c (HShare section 4).
+* ``sharing`` (`SharingConfig`): the sharing ratios a-b-c (section 4.2, eq. 4): ``layer`` =
+  1 - k_l / n_l, ``head`` = 1 - k_h / n_h, ``query`` = 1 / query group (reselect every
+  ``query_group`` steps); ``lookahead``; ``dense_layers``.
+* ``planner`` (`PlannerConfig`): how the sharing plan is made from the prefill's evidence.
+* ``policy``: the selection policy's own section, a `PolicyConfig` subclass that the policy's module
+  defines and registers (`hshare.policy.register_policy`): ``policy.name`` is ``"labels"``
+  (`hshare.labels.LabelsConfig`), ``"quest"`` (`hshare.quest.QuestConfig`) or ``"loki"``
+  (`hshare.loki.LokiConfig`). A new policy brings its section with it; this module names none.
+* ``prefix`` (`PrefixConfig`): shared-prefix attention inside ``generate`` (Hydragen).
+* ``runtime`` (`RuntimeConfig`): how steps run (CUDA graphs, fused elementwise kernels, the
+  dense-or-sparse rule, sparse prefill); tokens do not depend on it except through sparse prefill.
+
+Building one, in one line: ``HShareConfig(sharing=SharingConfig(layer=0.5))``, or with the flat
+names of `OPTION_NAMES` (``HShareConfig(layer_sharing=0.5, heavy=432)``), or a preset
+(``resolve_config("hshare-1_2-1_2-1_2@2048", layer_sharing="3/4")``). A section may also be given as
+a mapping (``sharing={"layer": "1/2"}``), and a field by its dotted name (``"sharing.layer"``) where
+names are strings (YAML, ``--set``, ``model_args``). YAML files hold either form. Every value is
+checked when the config is made; a bad one raises `ConfigError` naming the field and what is
+accepted. Configs are immutable: `HShareConfig.replace` makes a changed copy.
 
 Presets live in ``configs/presets/*.yaml``; ``HShareConfig.from_preset("hshare-1_2-1_2-1_2")``.
 """
@@ -20,13 +32,14 @@ Presets live in ``configs/presets/*.yaml``; ``HShareConfig.from_preset("hshare-1
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, field
 from fractions import Fraction
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Mapping
 
 import torch
 import yaml
@@ -34,11 +47,10 @@ import yaml
 SELECTION_GRANULARITIES = ("kv_head", "query_head")
 PLAN_SCOPES = ("batch", "sample")
 PLANNERS = ("greedy", "random")
-LABEL_BITS = (4, 8, 16)
 PREFIX_MODES = ("auto", "on", "off")
-POLICIES = ("labels", "quest", "loki")
-# On CUDA, the K/V reads per layer a sparse step must save over a dense one to be faster (`sparse_min_saved_bytes`):
-# replayed as CUDA graphs, and eager (host launch cost per layer). Calibrated by `hshare bench grid`.
+# On CUDA, the K/V reads per layer a sparse step must save over a dense one to be faster
+# (`RuntimeConfig.sparse_min_saved_bytes`): replayed as CUDA graphs, and eager (host launch cost per
+# layer). Calibrated by `hshare bench grid`.
 AUTO_MIN_SAVED_MIB = {"graphs": 96.0, "eager": 768.0}
 
 
@@ -46,8 +58,9 @@ class ConfigError(ValueError):
     """An invalid `HShareConfig` value; the message names the field and the accepted values."""
 
 
-def _ratio(name: str, value: Any) -> float:
-    """Parse a sharing ratio given as a number or a fraction string ("3/4")."""
+# ---- field checks (each returns the normalized value) ------------------------------------------
+def check_ratio(name: str, value: Any) -> float:
+    """A sharing ratio given as a number or a fraction string ("3/4"), in (0, 1]."""
     if isinstance(value, str):
         try:
             value = float(Fraction(value.strip()))
@@ -61,7 +74,7 @@ def _ratio(name: str, value: Any) -> float:
     return value
 
 
-def _int(name: str, value: Any, low: int, high: int | None = None) -> int:
+def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"HShareConfig.{name} = {value!r} has type {type(value).__name__}; accepted: an integer >= {low}")
     if value < low or (high is not None and value > high):
@@ -70,211 +83,235 @@ def _int(name: str, value: Any, low: int, high: int | None = None) -> int:
     return value
 
 
-def _choice(name: str, value: Any, accepted: tuple) -> Any:
+def check_choice(name: str, value: Any, accepted: tuple) -> Any:
     if value not in accepted:
         raise ConfigError(f"HShareConfig.{name} = {value!r} is invalid; accepted: {', '.join(map(repr, accepted))}")
     return value
 
 
-@dataclass
-class HShareConfig:
-    """Validated configuration of HShare sparse decoding.
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"HShareConfig.{name} = {value!r} is invalid; accepted: true or false")
+    return value
+
+
+def _set(section: Any, name: str, value: Any) -> None:
+    """Store a normalized value on a frozen section (in `__post_init__` only)."""
+    object.__setattr__(section, name, value)
+
+
+# ---- the sections --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BudgetConfig:
+    """The critical tokens of a sparse decode step (x, y, z of the paper).
 
     Attributes:
-        sparse: False = exact dense attention at every step (the ``dense`` preset).
-        sink: number of first valid tokens always kept (x in the paper).
-        local: number of most recent tokens always kept, current token included (y); >= 1.
-        heavy: number of top-scoring middle-window tokens kept (z). N_c = sink + local + heavy.
-        label_channels: heavy channels r of each key kept in the label cache (<= head_dim).
-        label_bits: 4 (packed two per byte), 8, or 16 bits per label channel.
-        layer_sharing: a in a-b-c; round(a * n_layers) layers select, the rest copy an earlier one.
-        head_sharing: b; round(b * n_heads) heads of each layer select, the rest copy.
-        query_sharing: c = 1 / query group; selection is redone every 1/c decode steps.
-        group_lookahead: at a selection step of a query group of a > 1 steps, heavy tokens are
-            chosen from the middle window extended by the a - 1 tokens that will leave the local
-            window before the next selection. False = the paper's code: a reuse step's local
-            window has moved on, and the tokens that left it were never candidates, so nobody
-            attends them until the next selection. Same work either way; off by default (its
-            fidelity: eval/RESULTS.md).
+        sink: first valid tokens always kept.
+        local: most recent tokens always kept, the current one included; >= 1.
+        heavy: top-scoring middle-window tokens kept; 0 scores nothing (StreamingLLM).
+    """
+
+    sink: int = 8
+    local: int = 32
+    heavy: int = 88
+
+    def __post_init__(self) -> None:
+        _set(self, "sink", check_int("budget.sink", self.sink, 0))
+        _set(self, "local", check_int("budget.local", self.local, 1))
+        _set(self, "heavy", check_int("budget.heavy", self.heavy, 0))
+
+    @property
+    def total(self) -> int:
+        """N_c: critical tokens attended per selection head at each sparse decode step."""
+        return self.sink + self.local + self.heavy
+
+    @classmethod
+    def split(cls, total: int, scores: bool = True) -> "BudgetConfig":
+        """N_c = `total` as the presets split it: sink ``min(16, N_c // 16)``, local ``min(64, N_c // 4)``,
+        the rest heavy; a budget that scores nothing (`scores` False) keeps the rest local. 128 gives
+        8 + 32 + 88, 512 16 + 64 + 432, 2048 16 + 64 + 1968: a long context gains heavy tokens, chosen
+        by score, while sink and local stay small."""
+        total = check_int("budget.total", total, 2)
+        sink = min(16, total // 16)
+        if not scores:
+            return cls(sink=sink, local=total - sink, heavy=0)
+        local = min(64, total // 4)
+        return cls(sink=sink, local=local, heavy=total - sink - local)
+
+
+@dataclass(frozen=True)
+class SharingConfig:
+    """How one selection is shared (HShare section 4.2).
+
+    Attributes:
+        layer: a in a-b-c; round(a * n_layers) layers select, the rest copy an earlier one.
+        head: b; round(b * n_heads) heads of each layer select, the rest copy.
+        query: c = 1 / query group; selection is redone every 1/c decode steps.
+        lookahead: at a selection step of a query group of a > 1 steps, heavy tokens are chosen from
+            the middle window extended by the a - 1 tokens that will leave the local window before
+            the next selection. False = the paper's code (those tokens are never candidates until
+            the next selection). Same work either way.
         dense_layers: layers kept dense at decode (not sparse, not in the layer plan).
-        policy: the selection policy (`hshare.policy`): what metadata a sparse layer keeps and how it
-            scores tokens. "labels" (DoubleSparse / HShare: label cache of heavy channels) or "quest"
-            (per page of `page_size` columns and KV head, the channel-wise min and max of the keys;
-            a page's score bounds q . k from above; the heavy budget takes whole pages) or "loki"
-            (`hshare.loki`: keys projected on their top `loki_rank` principal components, from each
-            row's prompt keys; a token's score is its approximate logit in that subspace).
-        page_size: columns per Quest page (16 in the Quest paper); read by "quest" only.
-        loki_rank: principal components r of the keys that "loki" keeps (<= head_dim); None =
-            head_dim // 4 (a quarter of the head dimension), at least 1. Read by "loki" only.
-        sparse_prefill: at prefill, each query row of a sparse layer attends only to its own critical
-            tokens (sink + local + the heavy top-k of its causal middle window by the policy's
-            scores; rows with no more valid keys than N_c attend densely): the HShare paper's
-            Appendix A.1 variant. False = exact dense prefill (the paper's main setting). A shared
-            prefix is prefilled exactly for all rows at once, so it does not combine with sparse
-            prefill: ``prefix="on"`` is refused, ``prefix="auto"`` does not share.
+    """
+
+    layer: float = 1.0
+    head: float = 1.0
+    query: float = 1.0
+    lookahead: bool = False
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("layer", "head", "query"):
+            _set(self, name, check_ratio(f"sharing.{name}", getattr(self, name)))
+        group = 1.0 / self.query
+        if abs(group - round(group)) > 1e-6:
+            raise ConfigError(
+                f"HShareConfig.sharing.query = {self.query} is not 1/a for a whole number a; accepted: 1, 1/2, "
+                "1/3, ... (a query group of a steps shares one selection)"
+            )
+        check_bool("sharing.lookahead", self.lookahead)
+        if not isinstance(self.dense_layers, (list, tuple)):
+            raise ConfigError(f"HShareConfig.sharing.dense_layers = {self.dense_layers!r} is invalid; accepted: a list "
+                              "of layer indices")
+        layers = tuple(check_int("sharing.dense_layers[]", i, 0) for i in self.dense_layers)
+        if len(set(layers)) != len(layers):
+            raise ConfigError(f"HShareConfig.sharing.dense_layers = {list(layers)} repeats a layer; accepted: distinct "
+                              "indices")
+        _set(self, "dense_layers", layers)
+
+    @property
+    def query_group(self) -> int:
+        """a: decode steps that share one selection."""
+        return int(round(1.0 / self.query))
+
+    @property
+    def shares_layers_or_heads(self) -> bool:
+        return self.layer < 1.0 or self.head < 1.0
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """How the sharing plan is made (Algorithm 1) and at what granularity selections are made.
+
+    Attributes:
         selection: "kv_head" (one selection per KV head, read once by its g query heads) or
             "query_head" (one per query head, as the paper's code). Same for MHA.
-        plan_scope: "batch" (one plan for the batch, the paper's statement) or "sample".
-        planner: "greedy" (Algorithm 1) or "random" (the paper's ablation, same ratios).
-        plan_rows: last prefill query rows whose keep-sets are the planner's evidence.
-        heavy_channels: "auto" (the calibrated file for the model in configs/channels if one
-            exists, else dynamic), "dynamic" (chosen per row from the prompt's |q_c * k_c|), or a
-            path to a calibration JSON written by ``hshare calibrate``.
+        scope: "batch" (one plan for the batch, the paper's statement) or "sample".
+        method: "greedy" (Algorithm 1) or "random" (the paper's ablation, same ratios).
+        rows: last prefill query rows whose keep-sets are the planner's evidence.
         seed: seed of the random planner.
-        dense_fallback_mib: a decode step runs exact dense attention unless sparse attention saves at least
-            this many MiB of K/V reads per layer, ``rows x (own columns - N_c) x`` K/V bytes per token:
-            below it the sparse step's selection, gather and launches cost more than the reads saved
-            (`hshare.step.StepPlanner.sparse_pays`; ``cache.planner.decision`` says what the last step
-            chose and why). None = auto: on CUDA 96 for steps replayed as CUDA graphs and 768 for eager
-            steps (calibrated by ``hshare bench grid``), 0 elsewhere; 0 = sparse at any size.
-        prefix: shared-prefix attention inside ``generate`` (Hydragen): "auto" stores a prompt
-            prefix shared by the rows once when it pays (at least `prefix_min_tokens` shared
-            tokens, `prefix_min_batch` rows sharing them and `prefix_min_saved_tokens` token reads
-            saved per step; the same rule for sparse configs),
-            "on" whenever any prefix is shared (the KV memory saving alone), "off" never.
-        prefix_min_tokens: shortest prefix (level 1) or group extension (level 2) stored once.
-        prefix_min_batch: fewest rows that must share a level for "auto" to store it once.
-        prefix_min_saved_tokens: fewest KV token reads per layer and step, (rows - 1) x shared
-            tokens, a level must save for "auto" (below it the shared step is slower than per-row
-            dense: ``benchmarks/RESULTS.md``). The memory saving holds at any size: ``prefix="on"``
-            takes it.
-        prefix_levels: 1 (one prefix for all rows) or 2 (plus groups of rows sharing more, e.g. the
-            samples of each question after a common few-shot prefix).
+    """
+
+    selection: str = "kv_head"
+    scope: str = "batch"
+    method: str = "greedy"
+    rows: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_choice("planner.selection", self.selection, SELECTION_GRANULARITIES)
+        check_choice("planner.scope", self.scope, PLAN_SCOPES)
+        check_choice("planner.method", self.method, PLANNERS)
+        check_int("planner.rows", self.rows, 1, 256)
+        check_int("planner.seed", self.seed, 0)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The section of one selection policy: its options, as fields of a subclass that the policy's
+    module defines and `hshare.policy.register_policy` binds to the policy's name.
+
+    A subclass declares its fields (validated in its `__post_init__`), `flat_names` (the flat option
+    names it answers to, ``{"page_size": "page_size"}``), and may check the model's shape in
+    `validate_for_model` and say what it keeps in `describe`.
+    """
+
+    name: ClassVar[str] = ""  # the registered policy's name (set by `register_policy`)
+    flat_names: ClassVar[dict[str, str]] = {}
+
+    def validate_for_model(self, head_dim: int) -> None:
+        """Checks that need the model's head dimension; raises `ConfigError` naming the field."""
+
+    def describe(self) -> str:
+        """One line: the policy and its options (``hshare presets``)."""
+        options = ", ".join(f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return f"{self.name} {options}".strip()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    """Shared-prefix attention inside ``generate`` (Hydragen).
+
+    Attributes:
+        mode: "auto" stores a prompt prefix shared by the rows once when it pays (at least
+            `min_tokens` shared tokens, `min_batch` rows sharing them and `min_saved_tokens` token
+            reads saved per step; the same rule for sparse configs), "on" whenever any prefix is
+            shared (the KV memory saving alone), "off" never.
+        min_tokens: shortest prefix (level 1) or group extension (level 2) stored once.
+        min_batch: fewest rows that must share a level for "auto" to store it once.
+        min_saved_tokens: fewest KV token reads per layer and step, (rows - 1) x shared tokens, a
+            level must save for "auto" (below it the shared step is slower than per-row dense).
+        levels: 1 (one prefix for all rows) or 2 (plus groups of rows sharing more, e.g. the samples
+            of each question after a common few-shot prefix).
+    """
+
+    mode: str = "auto"
+    min_tokens: int = 256
+    min_batch: int = 2
+    min_saved_tokens: int = 131072
+    levels: int = 2
+
+    def __post_init__(self) -> None:
+        check_choice("prefix.mode", self.mode, PREFIX_MODES)
+        check_int("prefix.min_tokens", self.min_tokens, 1)
+        check_int("prefix.min_batch", self.min_batch, 1)
+        check_int("prefix.min_saved_tokens", self.min_saved_tokens, 0)
+        check_int("prefix.levels", self.levels, 1, 2)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How decode steps run.
+
+    Attributes:
         cuda_graphs: on CUDA, ``generate`` decodes with static shapes (buffers sized once for the
             prompt plus ``max_new_tokens`` - 1) and replays each kind of decode step as a CUDA graph
             (`hshare.static_decode`); where that cannot apply (beam search, tensor parallelism, an
             unknown final length...) it decodes eagerly and says why in ``cache.static_decode``.
             False = always eager. Tokens are the same either way.
         compile_elementwise: inside those captured steps, the decoder layers' RMSNorms, rotary
-            embedding and MLP activation run as inductor-fused kernels (`hshare.elementwise_fusion`,
-            compiled once per shape on first use) instead of about 25 small kernels a layer.
-            Results equal the unfused step up to the order of a reduction; False = the model's
-            own eager kernels in the graph.
+            embedding and MLP activation run as inductor-fused kernels (`hshare.elementwise_fusion`)
+            instead of about 25 small kernels a layer; results equal the unfused step up to the order
+            of a reduction. False = the model's own eager kernels in the graph.
+        dense_fallback_mib: a decode step runs exact dense attention unless sparse attention saves at
+            least this many MiB of K/V reads per layer, ``rows x (own columns - N_c) x`` K/V bytes per
+            token (`hshare.step.StepPlanner.sparse_pays`; ``cache.planner.decision`` says what the last
+            step chose and why). None = auto: on CUDA `AUTO_MIN_SAVED_MIB` for steps replayed as CUDA
+            graphs or run eagerly, 0 elsewhere; 0 = sparse at any size.
+        sparse_prefill: at prefill, each query row of a sparse layer attends only to its own critical
+            tokens (sink + local + the heavy top-k of its causal middle window by the policy's
+            scores; rows with no more valid keys than N_c attend densely): the HShare paper's
+            Appendix A.1 variant. False = exact dense prefill (the paper's main setting). It does not
+            combine with a shared prefix (prefilled exactly, once for all rows).
     """
 
-    sparse: bool = True
-    sink: int = 8
-    local: int = 32
-    heavy: int = 88
-    label_channels: int = 16
-    label_bits: int = 4
-    layer_sharing: float = 1.0
-    head_sharing: float = 1.0
-    query_sharing: float = 1.0
-    group_lookahead: bool = False
-    dense_layers: tuple[int, ...] = ()
-    policy: str = "labels"
-    page_size: int = 16
-    loki_rank: int | None = None
-    sparse_prefill: bool = False
-    selection: str = "kv_head"
-    plan_scope: str = "batch"
-    planner: str = "greedy"
-    plan_rows: int = 4
-    heavy_channels: str = "auto"
-    seed: int = 0
-    dense_fallback_mib: float | None = None
-    prefix: str = "auto"
-    prefix_min_tokens: int = 256
-    prefix_min_batch: int = 2
-    prefix_min_saved_tokens: int = 131072
-    prefix_levels: int = 2
     cuda_graphs: bool = True
     compile_elementwise: bool = True
-    name: str = field(default="custom", compare=False)
+    dense_fallback_mib: float | None = None
+    sparse_prefill: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sparse, bool):
-            raise ConfigError(f"HShareConfig.sparse = {self.sparse!r} is invalid; accepted: true or false")
-        self.sink = _int("sink", self.sink, 0)
-        self.local = _int("local", self.local, 1)
-        self.heavy = _int("heavy", self.heavy, 0)
-        self.label_channels = _int("label_channels", self.label_channels, 1, 1024)
-        self.label_bits = _choice("label_bits", self.label_bits, LABEL_BITS)
-        if self.label_bits == 4 and self.label_channels % 2:
-            raise ConfigError(
-                f"HShareConfig.label_channels = {self.label_channels} is odd; accepted with label_bits = 4: an even "
-                "number (two 4-bit labels are packed per byte)"
-            )
-        self.layer_sharing = _ratio("layer_sharing", self.layer_sharing)
-        self.head_sharing = _ratio("head_sharing", self.head_sharing)
-        self.query_sharing = _ratio("query_sharing", self.query_sharing)
-        group = 1.0 / self.query_sharing
-        if abs(group - round(group)) > 1e-6:
-            raise ConfigError(
-                f"HShareConfig.query_sharing = {self.query_sharing} is not 1/a for a whole number a; accepted: 1, 1/2, "
-                "1/3, ... (a query group of a steps shares one selection)"
-            )
-        if not isinstance(self.group_lookahead, bool):
-            raise ConfigError(f"HShareConfig.group_lookahead = {self.group_lookahead!r} is invalid; accepted: true or false")
-        if isinstance(self.dense_layers, (list, tuple)):
-            self.dense_layers = tuple(_int("dense_layers[]", i, 0) for i in self.dense_layers)
-        else:
-            raise ConfigError(f"HShareConfig.dense_layers = {self.dense_layers!r} is invalid; accepted: a list of layer indices")
-        if len(set(self.dense_layers)) != len(self.dense_layers):
-            raise ConfigError(f"HShareConfig.dense_layers = {list(self.dense_layers)} repeats a layer; accepted: distinct indices")
-        self.policy = _choice("policy", self.policy, POLICIES)
-        self.page_size = _int("page_size", self.page_size, 1, 65536)
-        if self.loki_rank is not None and (isinstance(self.loki_rank, bool) or not isinstance(self.loki_rank, int)
-                                           or not 1 <= self.loki_rank <= 1024):
-            raise ConfigError(f"HShareConfig.loki_rank = {self.loki_rank!r} is invalid; accepted: an integer in "
-                              "[1, 1024] (at most head_dim), or null for head_dim // 4")
-        for name in ("sparse_prefill", "cuda_graphs", "compile_elementwise"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"HShareConfig.{name} = {getattr(self, name)!r} is invalid; accepted: true or false")
-        self.selection = _choice("selection", self.selection, SELECTION_GRANULARITIES)
-        self.plan_scope = _choice("plan_scope", self.plan_scope, PLAN_SCOPES)
-        self.planner = _choice("planner", self.planner, PLANNERS)
-        self.plan_rows = _int("plan_rows", self.plan_rows, 1, 256)
-        if not isinstance(self.heavy_channels, (str, os.PathLike)):
-            raise ConfigError(
-                f"HShareConfig.heavy_channels = {self.heavy_channels!r} is invalid; accepted: 'auto', 'dynamic' or a "
-                "path to a calibration JSON"
-            )
-        self.heavy_channels = str(self.heavy_channels)
-        if self.heavy_channels not in ("auto", "dynamic") and not Path(self.heavy_channels).is_file():
-            raise ConfigError(
-                f"HShareConfig.heavy_channels = {self.heavy_channels!r} is not an existing file; accepted: 'auto', "
-                "'dynamic' or the path of a calibration JSON (hshare calibrate)"
-            )
-        self.seed = _int("seed", self.seed, 0)
-        if self.dense_fallback_mib is not None:
-            if isinstance(self.dense_fallback_mib, bool) or not isinstance(self.dense_fallback_mib, (int, float)) \
-                    or not self.dense_fallback_mib >= 0:
-                raise ConfigError(f"HShareConfig.dense_fallback_mib = {self.dense_fallback_mib!r} is invalid; accepted: "
-                                  "a number of MiB >= 0, or null for the device's default")
-            self.dense_fallback_mib = float(self.dense_fallback_mib)
-        self.prefix = _choice("prefix", self.prefix, PREFIX_MODES)
-        self.prefix_min_tokens = _int("prefix_min_tokens", self.prefix_min_tokens, 1)
-        self.prefix_min_batch = _int("prefix_min_batch", self.prefix_min_batch, 1)
-        self.prefix_min_saved_tokens = _int("prefix_min_saved_tokens", self.prefix_min_saved_tokens, 0)
-        self.prefix_levels = _int("prefix_levels", self.prefix_levels, 1, 2)
-        if self.sparse_prefill and self.prefix == "on":
-            raise ConfigError(
-                "HShareConfig.sparse_prefill = True with prefix = 'on' is invalid: a shared prefix is prefilled "
-                "exactly, once for all rows, while sparse prefill selects per row; accepted: sparse_prefill with "
-                "prefix 'off' or 'auto' (which then does not share), or prefix 'on' without sparse_prefill"
-            )
-
-    # ---- derived quantities -------------------------------------------------------------
-    @property
-    def budget(self) -> int:
-        """N_c: critical tokens attended per selection head at each sparse decode step."""
-        return self.sink + self.local + self.heavy
-
-    @property
-    def query_group(self) -> int:
-        """a: decode steps that share one selection."""
-        return int(round(1.0 / self.query_sharing))
-
-    @property
-    def shares_layers_or_heads(self) -> bool:
-        return self.layer_sharing < 1.0 or self.head_sharing < 1.0
-
-    @property
-    def shares_prefix(self) -> bool:
-        """Whether ``generate`` looks for a shared prompt prefix (never with sparse prefill)."""
-        return self.prefix != "off" and not self.sparse_prefill
+        for name in ("cuda_graphs", "compile_elementwise", "sparse_prefill"):
+            check_bool(f"runtime.{name}", getattr(self, name))
+        mib = self.dense_fallback_mib
+        if mib is not None:
+            if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib >= 0:
+                raise ConfigError(f"HShareConfig.runtime.dense_fallback_mib = {mib!r} is invalid; accepted: a number "
+                                  "of MiB >= 0, or null for the device's default")
+            _set(self, "dense_fallback_mib", float(mib))
 
     def sparse_min_saved_bytes(self, device: torch.device, graphs: bool) -> float:
         """The K/V bytes per layer a sparse decode step must save to run on `device` (`dense_fallback_mib`),
@@ -284,48 +321,219 @@ class HShareConfig:
             mib = AUTO_MIN_SAVED_MIB["graphs" if graphs else "eager"] if device.type == "cuda" else 0.0
         return mib * 2**20
 
+
+SECTIONS: dict[str, type] = {"budget": BudgetConfig, "sharing": SharingConfig, "planner": PlannerConfig,
+                             "prefix": PrefixConfig, "runtime": RuntimeConfig}
+# The flat option names (overrides, flat YAML, ``--set``, ``hshare_<name>`` model_args) -> (section, field).
+# The policy's options answer to the names its `PolicyConfig.flat_names` declares.
+OPTION_NAMES: dict[str, tuple[str, str]] = {
+    "sink": ("budget", "sink"), "local": ("budget", "local"), "heavy": ("budget", "heavy"),
+    "layer_sharing": ("sharing", "layer"), "head_sharing": ("sharing", "head"), "query_sharing": ("sharing", "query"),
+    "group_lookahead": ("sharing", "lookahead"), "dense_layers": ("sharing", "dense_layers"),
+    "selection": ("planner", "selection"), "plan_scope": ("planner", "scope"), "planner": ("planner", "method"),
+    "plan_rows": ("planner", "rows"), "seed": ("planner", "seed"),
+    "policy": ("policy", "name"),
+    "prefix": ("prefix", "mode"), "prefix_min_tokens": ("prefix", "min_tokens"),
+    "prefix_min_batch": ("prefix", "min_batch"), "prefix_min_saved_tokens": ("prefix", "min_saved_tokens"),
+    "prefix_levels": ("prefix", "levels"),
+    "cuda_graphs": ("runtime", "cuda_graphs"), "compile_elementwise": ("runtime", "compile_elementwise"),
+    "dense_fallback_mib": ("runtime", "dense_fallback_mib"), "sparse_prefill": ("runtime", "sparse_prefill"),
+}
+DEFAULT_POLICY = "labels"
+
+
+def _policy_config_class(name: Any) -> type[PolicyConfig]:
+    from hshare.policy import policy_class, policy_names  # the registry (its modules import this one)
+
+    if not isinstance(name, str):
+        raise ConfigError(f"HShareConfig.policy.name = {name!r} is invalid; accepted: "
+                          f"{', '.join(map(repr, policy_names()))}")
+    try:
+        return policy_class(name).config_class
+    except ConfigError:
+        raise ConfigError(f"HShareConfig.policy = {name!r} is invalid; accepted: "
+                          f"{', '.join(map(repr, policy_names()))}") from None
+
+
+def policy_option_names() -> dict[str, tuple[str, str]]:
+    """Every registered policy's flat option names -> (policy name, field)."""
+    from hshare.policy import policy_class, policy_names
+
+    return {flat: (name, option) for name in policy_names()
+            for flat, option in policy_class(name).config_class.flat_names.items()}
+
+
+def option_names() -> list[str]:
+    """Every name a config option answers to: the flat names, the policies' flat option names and the
+    dotted ``section.field`` names (``hshare_<name>`` model_args, ``--set``, YAML)."""
+    from hshare.policy import policy_class, policy_names
+
+    dotted = [f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    dotted += sorted({f"policy.{f.name}" for name in policy_names()
+                      for f in dataclasses.fields(policy_class(name).config_class)} | {"policy.name"})
+    return sorted(OPTION_NAMES) + sorted(policy_option_names()) + dotted
+
+
+def _unknown(name: str) -> ConfigError:
+    known = option_names()
+    close = difflib.get_close_matches(name, known + ["sparse", "name"] + list(SECTIONS) + ["policy"], n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(f"unknown HShareConfig option {name!r}; {hint}accepted: sparse, the sections "
+                       f"{', '.join(list(SECTIONS) + ['policy'])}, or an option name ({', '.join(known)})")
+
+
+def _policy_section(value: Any) -> PolicyConfig:
+    """A policy section from a `PolicyConfig`, a policy name, or a mapping with ``name`` and its options."""
+    if isinstance(value, PolicyConfig):
+        return value
+    if isinstance(value, str):
+        return _policy_config_class(value)()
+    if isinstance(value, Mapping):
+        options = dict(value)
+        cls = _policy_config_class(options.pop("name", DEFAULT_POLICY))
+        return _build(cls, options, "policy")
+    raise ConfigError(f"HShareConfig.policy = {value!r} is invalid; accepted: a policy name, a PolicyConfig or a "
+                      "mapping with its name and options")
+
+
+def _build(cls: type, fields: Mapping[str, Any], section: str, base: Any = None) -> Any:
+    """`cls` from `fields` (over `base`'s values); unknown fields raise `ConfigError` naming the section's."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    for name in fields:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"HShareConfig.{section} has no field {name!r}; {hint}accepted: {', '.join(known)}")
+    if base is not None:
+        return dataclasses.replace(base, **fields)
+    return cls(**fields)
+
+
+@dataclass(frozen=True, init=False)
+class HShareConfig:
+    """Validated configuration of HShare sparse decoding and shared-prefix attention (the module
+    docstring states the contract).
+
+    Attributes:
+        sparse: False = exact dense attention at every step (the ``dense`` preset; the sections other
+            than ``prefix`` and ``runtime`` are then unused).
+        budget, sharing, planner, policy, prefix, runtime: the sections (`BudgetConfig`,
+            `SharingConfig`, `PlannerConfig`, the policy's `PolicyConfig`, `PrefixConfig`,
+            `RuntimeConfig`).
+        name: the preset's or file's name (not compared).
+
+    Args (besides the attributes): a section may be given as a mapping of its fields; ``budget`` as
+    a number N_c (`BudgetConfig.split`); ``policy`` as a policy's name (its default options);
+    ``prefix`` and ``planner`` as their mode / method; ``**options``: flat or dotted option names
+    (`OPTION_NAMES`, a policy's `PolicyConfig.flat_names`, ``"sharing.layer"``), applied over the
+    sections.
+    """
+
+    sparse: bool = True
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    sharing: SharingConfig = field(default_factory=SharingConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    policy: PolicyConfig = field(default=None)  # type: ignore[assignment]  # default: the "labels" policy's
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    name: str = field(default="custom", compare=False)
+
+    def __init__(self, sparse: bool = True, budget: Any = None, sharing: Any = None, planner: Any = None,
+                 policy: Any = None, prefix: Any = None, runtime: Any = None, name: str = "custom",
+                 **options: Any) -> None:
+        given = {"budget": budget, "sharing": sharing, "planner": planner, "prefix": prefix, "runtime": runtime}
+        sections: dict[str, Any] = {}
+        for section, cls in SECTIONS.items():
+            value = given[section]
+            if section == "budget" and isinstance(value, int) and not isinstance(value, bool):
+                value = BudgetConfig.split(value)
+            if value is None:
+                value = cls()
+            elif isinstance(value, Mapping):
+                value = _build(cls, value, section)
+            elif not isinstance(value, cls):
+                if section in OPTION_NAMES:  # prefix="auto", planner="random": the section's main option
+                    options = {section: value, **options}
+                    value = cls()
+                else:
+                    raise ConfigError(f"HShareConfig.{section} = {value!r} is invalid; accepted: a {cls.__name__} or "
+                                      "a mapping of its fields")
+            sections[section] = value
+        sections["policy"] = _policy_section(DEFAULT_POLICY if policy is None else policy)
+        _apply_options(sections, options)
+        object.__setattr__(self, "sparse", check_bool("sparse", sparse))
+        for section, value in sections.items():
+            object.__setattr__(self, section, value)
+        object.__setattr__(self, "name", str(name))
+        if self.runtime.sparse_prefill and self.prefix.mode == "on":
+            raise ConfigError(
+                "HShareConfig.runtime.sparse_prefill = True with prefix.mode = 'on' is invalid: a shared prefix is "
+                "prefilled exactly, once for all rows, while sparse prefill selects per row; accepted: sparse_prefill "
+                "with prefix 'off' or 'auto' (which then does not share), or prefix 'on' without sparse_prefill"
+            )
+
+    # ---- derived quantities -------------------------------------------------------------
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether ``generate`` looks for a shared prompt prefix (never with sparse prefill)."""
+        return self.prefix.mode != "off" and not self.runtime.sparse_prefill
+
     def validate_for_model(self, num_layers: int, head_dim: int) -> None:
         """Checks that need the model's shape; raises `ConfigError` naming the field."""
-        bad = [i for i in self.dense_layers if i >= num_layers]
+        bad = [i for i in self.sharing.dense_layers if i >= num_layers]
         if bad:
             raise ConfigError(
-                f"HShareConfig.dense_layers = {list(self.dense_layers)} names layer(s) {bad} but the model has "
-                f"{num_layers} layers; accepted: indices in [0, {num_layers - 1}]"
+                f"HShareConfig.sharing.dense_layers = {list(self.sharing.dense_layers)} names layer(s) {bad} but the "
+                f"model has {num_layers} layers; accepted: indices in [0, {num_layers - 1}]"
             )
-        if self.sparse and self.policy == "labels" and self.label_channels > head_dim:
-            raise ConfigError(
-                f"HShareConfig.label_channels = {self.label_channels} exceeds the model's head_dim {head_dim}; "
-                f"accepted: 1..{head_dim}"
-            )
-        if self.sparse and self.policy == "loki" and self.loki_rank is not None and self.loki_rank > head_dim:
-            raise ConfigError(f"HShareConfig.loki_rank = {self.loki_rank} exceeds the model's head_dim {head_dim}; "
-                              f"accepted: 1..{head_dim}, or null for head_dim // 4")
+        if self.sparse:
+            self.policy.validate_for_model(head_dim)
 
-    def with_budget(self, budget: int) -> "HShareConfig":
-        """This config at N_c = `budget` critical tokens (``"<preset>@<N_c>"`` names and the ``budget=``
-        override): sink ``min(16, N_c // 16)``, local ``min(64, N_c // 4)`` and the rest heavy; a config
-        that scores nothing (``heavy = 0``, StreamingLLM) keeps the rest local. At N_c = 128 this is the
-        base presets' 8 + 32 + 88, at 512 the ``@512`` presets' 16 + 64 + 432, at 2048 16 + 64 + 1968: a
-        long context gains heavy tokens, chosen by score, while sink and local stay small."""
-        budget = _int("budget", budget, 2)
-        sink = min(16, budget // 16)
-        if self.heavy == 0:
-            return self.replace(sink=sink, local=budget - sink)
-        local = min(64, budget // 4)
-        return self.replace(sink=sink, local=local, heavy=budget - sink - local)
+    # ---- copies -------------------------------------------------------------------------
+    def with_budget(self, total: int) -> "HShareConfig":
+        """This config at N_c = `total` critical tokens (``"<preset>@<N_c>"`` names and the ``budget=``
+        override), split by `BudgetConfig.split`; a config that scores nothing (``heavy = 0``,
+        StreamingLLM) keeps the rest local."""
+        return self.replace(budget=BudgetConfig.split(total, scores=self.budget.heavy > 0))
 
     def replace(self, **changes: Any) -> "HShareConfig":
-        """A copy with some fields changed (validated); unknown field names raise `ConfigError`."""
-        _check_field_names(changes)
-        return dataclasses.replace(self, **changes)
+        """A copy with some options changed (validated): flat or dotted option names, ``sparse``,
+        ``name``, whole sections, or a section as a mapping of the fields to change. Unknown names raise
+        `ConfigError` naming the closest."""
+        kwargs: dict[str, Any] = {"sparse": self.sparse, "name": self.name, "policy": self.policy,
+                                  **{section: getattr(self, section) for section in SECTIONS}}
+        options: dict[str, Any] = {}
+        for key, value in changes.items():
+            if key in ("sparse", "name") or isinstance(value, (*SECTIONS.values(), PolicyConfig)):
+                kwargs[key] = value
+            elif key in (*SECTIONS, "policy") and isinstance(value, Mapping):
+                value = dict(value)
+                if key == "policy" and "name" in value:
+                    options["policy.name"] = value.pop("name")
+                options.update({f"{key}.{name}": v for name, v in value.items()})
+            elif key == "budget" and isinstance(value, int) and not isinstance(value, bool):
+                kwargs[key] = value  # N_c, split as `BudgetConfig.split`
+            elif key in SECTIONS and not isinstance(value, str):
+                raise ConfigError(f"HShareConfig.{key} = {value!r} is invalid; accepted: a "
+                                  f"{SECTIONS[key].__name__} or a mapping of its fields")
+            else:
+                options[{"policy": "policy.name", "prefix": "prefix.mode", "planner": "planner.method"}.get(key, key)] = value
+        return HShareConfig(**kwargs, **options)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as YAML-ready sections (``from_dict`` reads it back; ``name`` is left out)."""
+        data: dict[str, Any] = {"sparse": self.sparse}
+        for section in ("budget", "sharing", "planner", "policy", "prefix", "runtime"):
+            value = getattr(self, section)
+            fields = value.to_dict() if section == "policy" else dataclasses.asdict(value)
+            data[section] = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
+        return data
 
     # ---- loading ------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any], name: str = "custom") -> "HShareConfig":
-        _check_field_names(data)
+    def from_dict(cls, data: Mapping[str, Any], name: str = "custom") -> "HShareConfig":
+        """A config from sections (mappings) and / or flat or dotted option names, over the defaults."""
         data = dict(data)
-        if "dense_layers" in data and isinstance(data["dense_layers"], list):
-            data["dense_layers"] = tuple(data["dense_layers"])
         data.setdefault("name", name)
         return cls(**data)
 
@@ -335,7 +543,7 @@ class HShareConfig:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
         if not isinstance(data, dict):
-            raise ConfigError(f"{path} does not hold a mapping of HShareConfig fields")
+            raise ConfigError(f"{path} does not hold a mapping of HShareConfig sections or options")
         return cls.from_dict(data, name=path.stem)
 
     @classmethod
@@ -350,21 +558,48 @@ class HShareConfig:
             if not size.isdigit():
                 raise ConfigError(f"preset {name!r}: the budget after '@' is {size!r}; accepted: a number of critical "
                                   f"tokens, e.g. {base}@2048")
-            return dataclasses.replace(cls.from_yaml(preset_dir() / f"{base}.yaml").with_budget(int(size)), name=name)
+            return cls.from_yaml(preset_dir() / f"{base}.yaml").with_budget(int(size)).replace(name=name)
         raise ConfigError(f"unknown preset {name!r}; accepted: {', '.join(preset_names())}, any of them at another "
                           "budget as '<preset>@<N_c>' (e.g. hshare-1_2-1_2-1_2@2048), or a YAML path")
 
 
-def _check_field_names(names) -> None:
-    """Raise `ConfigError` for names that are not `HShareConfig` fields, suggesting the closest."""
-    import difflib
-
-    known = sorted(f.name for f in dataclasses.fields(HShareConfig))
-    for name in sorted(set(names) - set(known)):
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"unknown HShareConfig field {name!r}; {hint}accepted fields: "
-                          f"{', '.join(k for k in known if k != 'name')}")
+def _apply_options(sections: dict[str, Any], options: Mapping[str, Any]) -> None:
+    """Apply flat / dotted option names to `sections` in place: the policy's name first (a new policy
+    starts from its default options), then each section's fields at once."""
+    options = dict(options)
+    for key in ("policy.name", "policy"):
+        if key in options:
+            new = options.pop(key)
+            if new != sections["policy"].name:
+                sections["policy"] = _policy_section(new)
+    changes: dict[str, dict[str, Any]] = {}
+    given_as: dict[str, str] = {}  # "section.field" -> the option name it was given by
+    policy_flat = policy_option_names() if options else {}
+    for key, value in options.items():
+        if key in OPTION_NAMES:
+            section, name = OPTION_NAMES[key]
+        elif key in policy_flat:
+            owner, name = policy_flat[key]
+            current = sections["policy"]
+            if key not in current.flat_names:
+                raise ConfigError(f"HShareConfig option {key!r} belongs to the {owner!r} policy, but the config's policy "
+                                  f"is {current.name!r}; accepted for it: {', '.join(current.flat_names) or 'no options'}"
+                                  f" (or set policy={owner!r} as well)")
+            section, name = "policy", current.flat_names[key]
+        elif "." in key and key.split(".", 1)[0] in (*SECTIONS, "policy"):
+            section, name = key.split(".", 1)
+        else:
+            raise _unknown(key)
+        changes.setdefault(section, {})[name] = value
+        given_as[f"{section}.{name}"] = key
+    for section, fields in changes.items():
+        try:
+            sections[section] = _build(type(sections[section]), fields, section, base=sections[section])
+        except ConfigError as error:  # name the option as the caller spelt it
+            spelt = [key for dotted, key in given_as.items() if key != dotted and f"HShareConfig.{dotted} " in str(error)]
+            if spelt:
+                raise ConfigError(f"{error} (set as {spelt[0]!r})") from None
+            raise
 
 
 def preset_dir() -> Path:
@@ -385,8 +620,9 @@ def preset_names() -> list[str]:
 
 
 def resolve_config(config: "HShareConfig | str | os.PathLike | None", **overrides: Any) -> HShareConfig:
-    """A config object, a preset name, or a YAML path -> `HShareConfig` (with field overrides; ``budget=N_c``
-    resizes it first, `HShareConfig.with_budget`, and explicit ``sink``/``local``/``heavy`` win over it)."""
+    """A config object, a preset name, or a YAML path -> `HShareConfig`, with option overrides
+    (`HShareConfig.replace`); ``budget=N_c`` resizes it first (`HShareConfig.with_budget`), and explicit
+    ``sink``/``local``/``heavy`` win over it."""
     budget = overrides.pop("budget", None)
     if config is None:
         config = "hshare-1_2-1_2-1_2"
@@ -405,6 +641,8 @@ def resolve_config(config: "HShareConfig | str | os.PathLike | None", **override
             f"config = {config!r} has type {type(config).__name__}; accepted: an HShareConfig, a preset name "
             f"({', '.join(preset_names())}) or a YAML path"
         )
-    if budget is not None:
+    if isinstance(budget, (BudgetConfig, Mapping)):
+        overrides["budget"] = budget
+    elif budget is not None:
         resolved = resolved.with_budget(budget)
     return resolved.replace(**overrides) if overrides else resolved

@@ -25,7 +25,7 @@ class DecodeStats:
         sparse_steps: decode steps where at least one row attended sparsely (more valid keys
             than the budget N_c).
         dense_fallback_steps: decode steps run densely because the KV was too small for sparse
-            attention to pay (`HShareConfig.dense_fallback_mib`).
+            attention to pay (`HShareConfig.runtime.dense_fallback_mib`).
         selection_steps: decode steps that (re)selected critical tokens (query groups).
         score_computations: (row, layer, selection head) scorings done (label or page scores).
         plans: sharing plans built (one per generate when layers or heads share).

@@ -177,7 +177,7 @@ def run_demo(data_dir: str | None = None, questions: int = 6, new_tokens: int = 
         texts = tokenizer.batch_decode(result.new_tokens, skip_special_tokens=True)
         correct = sum(last_number(text) == g for text, g in zip(texts, gold) if g is not None)
         tokens = int((result.new_tokens != tokenizer.pad_token_id).sum())
-        print(f"{result.preset:<22}{config.budget if config.sparse else '-':>5}{tokens / result.seconds:>8.1f}"
+        print(f"{result.preset:<22}{config.budget.total if config.sparse else '-':>5}{tokens / result.seconds:>8.1f}"
               f"{token_agreement(result.new_tokens, dense.new_tokens, tokenizer.pad_token_id):>7.2f}"
               f"{common_prefix_tokens(result.new_tokens, dense.new_tokens):>8.1f}"
               f"{correct / max(len(gold), 1):>6.2f}{_mib(result.kv_bytes):>8}{_mib(result.label_bytes):>10}"

@@ -8,12 +8,16 @@ logit ``q_lab . k_lab``.
 
 from __future__ import annotations
 
+import os
+
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from hshare.channels import dynamic_channels, resolve_calibration
-from hshare.config import HShareConfig
+from hshare.config import ConfigError, HShareConfig, PolicyConfig, check_choice, check_int
 from hshare.kernels import append_labels, decode_label_scores, label_scores, label_storage_dtype, query_labels
 from hshare.policy import SelectionPolicy, register_policy
 
@@ -21,6 +25,49 @@ if TYPE_CHECKING:
     from hshare.buffer import GrowingBuffer
     from hshare.channels import ChannelCalibration
     from hshare.heads import HeadShard
+
+
+LABEL_BITS = (4, 8, 16)
+
+
+@dataclass(frozen=True)
+class LabelsConfig(PolicyConfig):
+    """The ``"labels"`` policy's section of the config.
+
+    Attributes:
+        channels: heavy channels r of each key kept in the label cache (<= head_dim).
+        bits: 4 (packed two per byte), 8, or 16 bits per label channel.
+        heavy_channels: "auto" (the calibrated file for the model in configs/channels if one exists,
+            else dynamic), "dynamic" (chosen per row from the prompt's |q_c * k_c|), or a path to a
+            calibration JSON written by ``hshare calibrate``.
+    """
+
+    channels: int = 16
+    bits: int = 4
+    heavy_channels: str = "auto"
+    flat_names = {"label_channels": "channels", "label_bits": "bits", "heavy_channels": "heavy_channels"}
+
+    def __post_init__(self) -> None:
+        check_int("policy.channels", self.channels, 1, 1024)
+        check_choice("policy.bits", self.bits, LABEL_BITS)
+        if self.bits == 4 and self.channels % 2:
+            raise ConfigError(f"HShareConfig.policy.channels = {self.channels} is odd; accepted with bits = 4: an even "
+                              "number (two 4-bit labels are packed per byte)")
+        if not isinstance(self.heavy_channels, (str, os.PathLike)):
+            raise ConfigError(f"HShareConfig.policy.heavy_channels = {self.heavy_channels!r} is invalid; accepted: "
+                              "'auto', 'dynamic' or a path to a calibration JSON")
+        object.__setattr__(self, "heavy_channels", str(self.heavy_channels))
+        if self.heavy_channels not in ("auto", "dynamic") and not Path(self.heavy_channels).is_file():
+            raise ConfigError(f"HShareConfig.policy.heavy_channels = {self.heavy_channels!r} is not an existing file; "
+                              "accepted: 'auto', 'dynamic' or the path of a calibration JSON (hshare calibrate)")
+
+    def validate_for_model(self, head_dim: int) -> None:
+        if self.channels > head_dim:
+            raise ConfigError(f"HShareConfig.policy.channels = {self.channels} exceeds the model's head_dim {head_dim}; "
+                              f"accepted: 1..{head_dim}")
+
+    def describe(self) -> str:
+        return f"labels {self.channels}x{self.bits}b, heavy channels {self.heavy_channels}"
 
 
 @register_policy("labels")
@@ -40,7 +87,7 @@ class LabelCache(SelectionPolicy):
     """
 
     unit = "tokens"  # one scoring scores every cached token (DecodeStats.scored_tokens)
-    options = ("label_channels", "label_bits", "heavy_channels")
+    config_class = LabelsConfig
     column_buffers = ("codes", "scale", "zero")
     row_or_shared_tensors = ("channels",)
     codes: GrowingBuffer
@@ -58,26 +105,23 @@ class LabelCache(SelectionPolicy):
                      reserve: int) -> LabelCache:
         """Heavy channels from the calibration `model_state` (all rows), or per row from the prompt's queries
         and keys (`hshare.channels.dynamic_channels`) when there is none."""
+        options, selection = config.policy, config.planner.selection
         if model_state is not None:
-            channels = model_state.channels(layer, kv_heads, config.selection, config.label_channels).to(query.device)
+            channels = model_state.channels(layer, kv_heads, selection, options.channels).to(query.device)
         else:
-            channels = dynamic_channels(query, new_keys, new_valid, config.selection, config.label_channels)
-        return cls(channels, config.label_bits, kv_heads, reserve)
+            channels = dynamic_channels(query, new_keys, new_valid, selection, options.channels)
+        return cls(channels, options.bits, kv_heads, reserve)
 
     @classmethod
     def model_state(cls, config: HShareConfig, model_config) -> ChannelCalibration | None:
-        """The heavy-channel calibration ``config.heavy_channels`` names for this model (`hshare.channels`),
+        """The heavy-channel calibration ``config.policy.heavy_channels`` names for this model (`hshare.channels`),
         or None: chosen per row from each prompt."""
-        return resolve_calibration(config.heavy_channels, model_config)
+        return resolve_calibration(config.policy.heavy_channels, model_config)
 
     @classmethod
     def state_for_heads(cls, state: ChannelCalibration | None, heads: HeadShard) -> ChannelCalibration | None:
         """A calibration narrowed to a tensor-parallel rank's query heads."""
         return state.head_slice(heads.q_offset, heads.q_heads) if state is not None and heads.sharded else state
-
-    @classmethod
-    def describe(cls, config: HShareConfig) -> str:
-        return f"labels {config.label_channels}x{config.label_bits}b, heavy channels {config.heavy_channels}"
 
     def add_keys(self, new_keys: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Quantize and append the labels of new keys ``[B, Hkv, t, d]`` (written in place).

@@ -27,29 +27,53 @@ not in `nbytes`, as the label policy's channels are not). Static shapes (`hshare
 `write` projects the key at a column held in a device tensor into the frozen buffer (no host value).
 Plain PyTorch, CPU and CUDA alike.
 
-Rank: ``HShareConfig.loki_rank``; None = ``head_dim // 4`` (a quarter of the head dimension).
+Rank: ``config.policy.rank`` (`LokiConfig`); None = ``head_dim // 4`` (a quarter of the head dimension).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hshare.config import ConfigError, HShareConfig
+from hshare.config import ConfigError, HShareConfig, PolicyConfig
 from hshare.policy import SelectionPolicy, register_policy
 
 if TYPE_CHECKING:
     from hshare.buffer import GrowingBuffer
 
 
-def loki_rank(config: HShareConfig, head_dim: int) -> int:
-    """The rank r of `config` at `head_dim`: ``loki_rank``, or ``max(1, head_dim // 4)`` when None."""
-    rank = max(1, head_dim // 4) if config.loki_rank is None else config.loki_rank
-    if rank > head_dim:
-        raise ConfigError(f"HShareConfig.loki_rank = {rank} exceeds the keys' head_dim {head_dim}; "
-                          f"accepted: 1..{head_dim}, or null for head_dim // 4")
-    return rank
+@dataclass(frozen=True)
+class LokiConfig(PolicyConfig):
+    """The ``"loki"`` policy's section of the config.
+
+    Attributes:
+        rank: principal components r of the keys kept (<= head_dim); None = head_dim // 4, at least 1.
+    """
+
+    rank: int | None = None
+    flat_names = {"loki_rank": "rank"}
+
+    def __post_init__(self) -> None:
+        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
+                                      or not 1 <= self.rank <= 1024):
+            raise ConfigError(f"HShareConfig.policy.rank = {self.rank!r} is invalid; accepted: an integer in "
+                              "[1, 1024] (at most head_dim), or null for head_dim // 4")
+
+    def validate_for_model(self, head_dim: int) -> None:
+        self.rank_at(head_dim)
+
+    def rank_at(self, head_dim: int) -> int:
+        """The rank r at `head_dim`: `rank`, or ``max(1, head_dim // 4)`` when None."""
+        rank = max(1, head_dim // 4) if self.rank is None else self.rank
+        if rank > head_dim:
+            raise ConfigError(f"HShareConfig.policy.rank = {rank} exceeds the model's head_dim {head_dim}; "
+                              f"accepted: 1..{head_dim}, or null for head_dim // 4")
+        return rank
+
+    def describe(self) -> str:
+        return f"loki rank {'head_dim/4' if self.rank is None else self.rank}"
 
 
 def principal_components(keys: torch.Tensor, valid: torch.Tensor | None, rank: int) -> torch.Tensor:
@@ -99,7 +123,7 @@ class LokiKeyCache(SelectionPolicy):
     """
 
     unit = "tokens"  # one scoring scores every cached token (DecodeStats.scored_tokens)
-    options = ("loki_rank",)
+    config_class = LokiConfig
     column_buffers = ("projected",)
     row_tensors = ("components",)
     projected: GrowingBuffer
@@ -114,12 +138,8 @@ class LokiKeyCache(SelectionPolicy):
                      reserve: int) -> LokiKeyCache:
         """Principal directions of each row's valid prompt keys `new_keys` (the calibration of heavy
         channels is not used)."""
-        components = principal_components(new_keys, new_valid, loki_rank(config, new_keys.shape[-1]))
+        components = principal_components(new_keys, new_valid, config.policy.rank_at(new_keys.shape[-1]))
         return cls(components, cls.selection_heads(config, query, kv_heads), reserve)
-
-    @classmethod
-    def describe(cls, config: HShareConfig) -> str:
-        return f"loki rank {'head_dim/4' if config.loki_rank is None else config.loki_rank}"
 
     @property
     def rank(self) -> int:

@@ -12,9 +12,10 @@ Quest's pages) and its per-row tensors, and the base class grows, freezes, thaws
 and measures them. A policy implements only what is its own: how metadata is made from new keys
 (`SelectionPolicy.add_keys`, and `SelectionPolicy.write` for static shapes), how it scores
 (`decode_scores`, `score_query` / `prefill_scores`), how it is made at a layer's first prefill
-(`from_prefill`), what one scoring counts (`unit`) and how it describes itself (`describe`).
+(`from_prefill`), what one scoring counts (`unit`) and its options: its section of the config
+(`config_class`, a `hshare.config.PolicyConfig` of its own, which validates and describes them).
 
-Policies register by name (`register_policy`); ``HShareConfig.policy`` names one and `new_policy`
+Policies register by name (`register_policy`); ``HShareConfig.policy.name`` names one and `new_policy`
 looks it up. Each lives in one module: `hshare.labels` (``"labels"``), `hshare.quest`
 (``"quest"``), `hshare.loki` (``"loki"``).
 """
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 import torch
 
 from hshare.buffer import GrowingBuffer
-from hshare.config import ConfigError, HShareConfig
+from hshare.config import ConfigError, HShareConfig, PolicyConfig
 
 if TYPE_CHECKING:
     from hshare.heads import HeadShard
@@ -47,7 +48,8 @@ class SelectionPolicy(ABC):
         name: the registered name (set by `register_policy`).
         unit: what one (row, layer, head) scoring scores, one of `SCORED_UNITS` (the
             `hshare.counters.DecodeStats` counter ``scored_tokens`` or ``scored_pages``).
-        options: the `HShareConfig` fields the policy reads (its section of the config; `describe`).
+        config_class: the policy's section of the config, a `hshare.config.PolicyConfig` subclass of its
+            own (``config.policy`` is an instance; `register_policy` gives it the policy's name).
         column_buffers: names of its `GrowingBuffer` attributes of ``[B, H, n, ...]`` metadata, one
             slot per cached column. The base class makes them (reserved at the reserve), and
             `buffers` hands them to the cache, which advances their lengths at static steps.
@@ -65,7 +67,7 @@ class SelectionPolicy(ABC):
 
     name: ClassVar[str] = ""
     unit: ClassVar[str] = "tokens"
-    options: ClassVar[tuple[str, ...]] = ()
+    config_class: ClassVar[type[PolicyConfig]] = PolicyConfig
     column_buffers: ClassVar[tuple[str, ...]] = ()
     slot_buffers: ClassVar[tuple[str, ...]] = ()
     row_tensors: ClassVar[tuple[str, ...]] = ()
@@ -148,12 +150,6 @@ class SelectionPolicy(ABC):
         slot buffers implements it)."""
         raise NotImplementedError(f"{type(self).__name__} has no slot buffers")
 
-    @classmethod
-    def describe(cls, config: HShareConfig) -> str:
-        """One line saying what the policy keeps under `config` (``hshare presets``): its name and
-        `options`."""
-        return " ".join([cls.name] + [f"{option}={getattr(config, option)}" for option in cls.options])
-
     # ---- storage mechanics, owned here --------------------------------------------------------
     @property
     def length(self) -> int:
@@ -234,7 +230,7 @@ class SelectionPolicy(ABC):
     @staticmethod
     def selection_heads(config: HShareConfig, query: torch.Tensor, kv_heads: int) -> int:
         """H_sel for prefill queries ``[B, Hq, T, d]``: Hkv (``selection="kv_head"``) or Hq."""
-        return kv_heads if config.selection == "kv_head" else query.shape[1]
+        return kv_heads if config.planner.selection == "kv_head" else query.shape[1]
 
     @staticmethod
     def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -279,7 +275,8 @@ _REGISTRY: dict[str, type[SelectionPolicy]] = {}
 
 
 def register_policy(name: str) -> Callable[[type[SelectionPolicy]], type[SelectionPolicy]]:
-    """Class decorator: the `SelectionPolicy` subclass is the policy ``HShareConfig.policy = name``."""
+    """Class decorator: the `SelectionPolicy` subclass is the policy ``HShareConfig.policy.name = name``, and
+    its `SelectionPolicy.config_class` that policy's section of the config."""
     def register(cls: type[SelectionPolicy]) -> type[SelectionPolicy]:
         if not (isinstance(cls, type) and issubclass(cls, SelectionPolicy)):
             raise TypeError(f"register_policy({name!r}) decorates {cls!r}; accepted: a SelectionPolicy subclass")
@@ -288,7 +285,11 @@ def register_policy(name: str) -> Callable[[type[SelectionPolicy]], type[Selecti
                              f"{cls.__qualname__}; accepted: one class per name")
         if cls.unit not in SCORED_UNITS:
             raise ValueError(f"{cls.__qualname__}.unit = {cls.unit!r}; accepted: {', '.join(map(repr, SCORED_UNITS))}")
-        cls.name = name
+        options = cls.config_class
+        if options is PolicyConfig or options.name not in ("", name):
+            raise TypeError(f"{cls.__qualname__}.config_class = {options.__qualname__}; accepted: a PolicyConfig "
+                            "subclass of the policy's own")
+        cls.name = options.name = name
         _REGISTRY[name] = cls
         return cls
     return register
@@ -310,7 +311,7 @@ def policy_class(name: str) -> type[SelectionPolicy]:
 
 def new_policy(config: HShareConfig, model_state: Any, layer: int, query: torch.Tensor,
                new_keys: torch.Tensor, new_valid: torch.Tensor, kv_heads: int, reserve: int = 0) -> SelectionPolicy:
-    """An empty policy of ``config.policy`` for one sparse layer, made at its first prefill
+    """An empty policy of ``config.policy.name`` for one sparse layer, made at its first prefill
     (`SelectionPolicy.from_prefill`).
 
     Args:
@@ -319,7 +320,7 @@ def new_policy(config: HShareConfig, model_state: Any, layer: int, query: torch.
         query: ``[B, Hq, T, d]`` the prefill queries; new_keys: ``[B, Hkv, T, d]`` their keys;
             new_valid: ``[B, T]`` validity of those keys (what a policy made from the prompt reads).
     """
-    return policy_class(config.policy).from_prefill(config, model_state, layer, query, new_keys, new_valid,
+    return policy_class(config.policy.name).from_prefill(config, model_state, layer, query, new_keys, new_valid,
                                                     kv_heads, reserve)
 
 

@@ -63,7 +63,7 @@ def defer(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch
                                   valid[:, kv_len - q_len:], cache.kv_heads, cache.reserve)
     evidence = None
     if planner.collects_evidence:
-        rows = min(cache.config.plan_rows, query.shape[2])
+        rows = min(cache.config.planner.rows, query.shape[2])
         evidence = layer.policy.score_query(query[:, :, query.shape[2] - rows:])
         if evidence._base is not None:  # a view of the forward's queries, which are freed: keep a copy
             evidence = evidence.clone()
@@ -103,12 +103,12 @@ def record_evidence(cache: HShareCache, planner: StepPlanner, layer_idx: int, qu
     row_column = torch.arange(kv_len - rows, kv_len, device=query.device)[:, None]
     causal = torch.arange(kv_len, device=query.device)[None, :] <= row_column
     row_valid = valid[:, None, :] & causal[None] & valid[:, kv_len - rows:, None]  # [B, W, n]
-    middle = prefill_middle_windows(row_valid, config.sink, config.local)
+    middle = prefill_middle_windows(row_valid, config.budget.sink, config.budget.local)
     scores = layer.policy.prefill_scores(query)  # [B, H_sel, W, n]
-    keep = select_heavy(scores, middle[:, None], config.heavy)
-    if config.head_sharing < 1:
+    keep = select_heavy(scores, middle[:, None], config.budget.heavy)
+    if config.sharing.head < 1:
         planner.head_similarity[layer_idx] = head_similarity(keep, kv_len)
-    if config.layer_sharing < 1:
+    if config.sharing.layer < 1:
         overlaps = layer_overlaps(keep, planner.earlier_keep_sets(layer_idx), kv_len)
         planner.layer_similarity[layer_idx] = cache.heads.mean_over_ranks(overlaps)  # one layer plan for all ranks
         planner.keep[layer_idx] = keep

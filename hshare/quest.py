@@ -34,11 +34,12 @@ All of it is plain PyTorch (CPU and CUDA alike); nothing here goes through the l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hshare.config import HShareConfig
+from hshare.config import HShareConfig, PolicyConfig, check_int
 from hshare.policy import SelectionPolicy, register_policy
 
 if TYPE_CHECKING:
@@ -82,6 +83,24 @@ def page_bounds_reference(keys: torch.Tensor, valid: torch.Tensor, page_size: in
     return low, high, has
 
 
+@dataclass(frozen=True)
+class QuestConfig(PolicyConfig):
+    """The ``"quest"`` policy's section of the config.
+
+    Attributes:
+        page_size: columns per page (16 in the Quest paper).
+    """
+
+    page_size: int = 16
+    flat_names = {"page_size": "page_size"}
+
+    def __post_init__(self) -> None:
+        check_int("policy.page_size", self.page_size, 1, 65536)
+
+    def describe(self) -> str:
+        return f"quest pages of {self.page_size}"
+
+
 @register_policy("quest")
 class QuestPageCache(SelectionPolicy):
     """Per-page channel-wise min and max of one layer's keys: a `SelectionPolicy` scoring pages.
@@ -103,7 +122,7 @@ class QuestPageCache(SelectionPolicy):
     """
 
     unit = "pages"  # one scoring scores every page slot (DecodeStats.scored_pages)
-    options = ("page_size",)
+    config_class = QuestConfig
     slot_buffers = ("low", "high")
     row_tensors = ("shift",)
     low: GrowingBuffer
@@ -118,12 +137,8 @@ class QuestPageCache(SelectionPolicy):
     def from_prefill(cls, config: HShareConfig, model_state: Any, layer: int,
                      query: torch.Tensor, new_keys: torch.Tensor, new_valid: torch.Tensor, kv_heads: int,
                      reserve: int) -> QuestPageCache:
-        """Empty pages of ``config.page_size`` columns (the first append pages each row)."""
-        return cls(cls.selection_heads(config, query, kv_heads), kv_heads, config.page_size, reserve)
-
-    @classmethod
-    def describe(cls, config: HShareConfig) -> str:
-        return f"quest pages of {config.page_size}"
+        """Empty pages of ``config.policy.page_size`` columns (the first append pages each row)."""
+        return cls(cls.selection_heads(config, query, kv_heads), kv_heads, config.policy.page_size, reserve)
 
     def slots(self, columns: int) -> int:
         """Page slots of `columns` columns (`pages_for`)."""

@@ -114,7 +114,7 @@ class RowWindows:
     def build(cls, valid: torch.Tensor, sink: int, local: int, budget: int, lookahead: int = 0,
               sync: bool = True) -> "RowWindows":
         """Windows of every row; `lookahead` (a - 1 at a selection step of a query group of a steps,
-        with `HShareConfig.group_lookahead`) widens `selectable` into the local window. `sync` =
+        with `SharingConfig.lookahead`) widens `selectable` into the local window. `sync` =
         False never reads the device (`all_short` False)."""
         device = valid.device
         counts = valid.long().cumsum(-1)  # one prefix sum serves the ranks and every window's columns

@@ -54,10 +54,10 @@ def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple
     prompts = unpadded_prompts(ids, prompt_mask.repeat_interleave(repeats, dim=0))
     if min(len(p) for p in prompts) < 2:
         return None
-    forced = config.prefix == "on"
-    shared = detect_shared_prefix(prompts, 1 if forced else config.prefix_min_tokens,
-                                  1 if forced else config.prefix_min_batch, config.prefix_levels,
-                                  0 if forced else config.prefix_min_saved_tokens)
+    forced = config.prefix.mode == "on"
+    shared = detect_shared_prefix(prompts, 1 if forced else config.prefix.min_tokens,
+                                  1 if forced else config.prefix.min_batch, config.prefix.levels,
+                                  0 if forced else config.prefix.min_saved_tokens)
     if shared.empty:
         return None
     pad = generation_setting(model, kwargs, "pad_token_id")

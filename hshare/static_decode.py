@@ -122,7 +122,7 @@ def placement_devices(model) -> list[str]:
 def static_decode_unsupported(model, cache: HShareCache, kwargs: dict) -> str | None:
     """Why this ``generate`` call cannot decode with static shapes, or None."""
     config = cache.config
-    if not config.cuda_graphs:
+    if not config.runtime.cuda_graphs:
         return "cuda_graphs=False"
     if model.device.type != "cuda" and not STATIC_ON_CPU:
         return f"the model is on {model.device.type}, CUDA graphs need CUDA"
@@ -279,7 +279,7 @@ class StaticDecoder:
 
     def _fuse(self, cache: HShareCache) -> None:
         """Compile the layers' elementwise work for the captured steps, where the config asks for it."""
-        if not cache.config.compile_elementwise:
+        if not cache.config.runtime.compile_elementwise:
             self.report.fusion = "compile_elementwise=False"
             return
         fusion = ElementwiseFusion(self.model)

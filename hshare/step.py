@@ -130,7 +130,7 @@ class StepPlanner:
         sliding_window: the window every layer applies (keys older than it are invalid), or None.
 
     Attributes:
-        sparse_layers: layers that may attend sparsely (all but ``config.dense_layers``).
+        sparse_layers: layers that may attend sparsely (all but ``config.sharing.dense_layers``).
         step: decode steps so far; last_selection: the step of the last selection (None: the next
             sparse step selects).
         sharing: the sharing plan (Algorithm 1); shares: its per-layer compiled form.
@@ -173,7 +173,7 @@ class StepPlanner:
     _select_scorings: tuple[int, int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        dense = set(self.config.dense_layers)
+        dense = set(self.config.sharing.dense_layers)
         self.sparse_layers = [i for i in range(self.num_layers) if i not in dense] if self.config.sparse else []
         self._sparse = frozenset(self.sparse_layers)
 
@@ -185,7 +185,7 @@ class StepPlanner:
     @property
     def collects_evidence(self) -> bool:
         """Whether prefill records keep-sets (only when a greedy plan will use them)."""
-        return bool(self.sparse_layers) and self.config.shares_layers_or_heads and self.config.planner == "greedy"
+        return bool(self.sparse_layers) and self.config.sharing.shares_layers_or_heads and self.config.planner.method == "greedy"
 
     def earlier_keep_sets(self, layer: int) -> list[torch.Tensor]:
         return [self.keep[i] for i in self.sparse_layers if i < layer and i in self.keep]
@@ -269,14 +269,14 @@ class StepPlanner:
             return StepPlan("dense", {})
         # Query groups follow one schedule for the whole batch (steps 1, 1 + a, ...), also while every
         # row is within the budget: a row's selections never depend on its batch mates.
-        due = self.last_selection is None or self.step - self.last_selection >= config.query_group
+        due = self.last_selection is None or self.step - self.last_selection >= config.sharing.query_group
         if due:
             self.last_selection = self.step
-            counts.selection_steps += int(config.heavy > 0)
+            counts.selection_steps += int(config.budget.heavy > 0)
         if self.sharing is None:
             self._make_plan(cache, batch)
-        selecting = due and config.heavy > 0
-        lookahead = config.query_group - 1 if selecting and config.group_lookahead else 0
+        selecting = due and config.budget.heavy > 0
+        lookahead = config.sharing.query_group - 1 if selecting and config.sharing.lookahead else 0
         return StepPlan("select" if selecting else "reuse", self.shares, lookahead)
 
     def sparse_pays(self, cache: HShareCache, rows: int, columns: int, graphs: bool) -> bool:
@@ -285,11 +285,11 @@ class StepPlanner:
         `HShareConfig.sparse_min_saved_bytes` for this device and for steps replayed as CUDA graphs or run
         eagerly. Saved bytes grow with the columns, so a length that does not pay never paid before it.
         The decision and its numbers are kept in `decision`."""
-        saved = rows * max(columns - self.config.budget, 0) * cache.layer_kv_bytes(1, 1)
-        needed = self.config.sparse_min_saved_bytes(cache.storage_device, graphs)
+        saved = rows * max(columns - self.config.budget.total, 0) * cache.layer_kv_bytes(1, 1)
+        needed = self.config.runtime.sparse_min_saved_bytes(cache.storage_device, graphs)
         pays = saved >= needed
         self.decision = (f"{'sparse' if pays else 'dense'}: a sparse step saves {saved / 2**20:.1f} MiB of K/V reads "
-                         f"per layer ({rows} rows x ({columns} - {self.config.budget}) columns), "
+                         f"per layer ({rows} rows x ({columns} - {self.config.budget.total}) columns), "
                          f"{'>=' if pays else '<'} {needed / 2**20:g} MiB ({'CUDA graphs' if graphs else 'eager'})")
         return pays
 
@@ -304,7 +304,7 @@ class StepPlanner:
         if plan.kind == "dense":
             self.work.begin_step(own_keys, self.num_layers, cache.kv_heads, prefix_tokens)
         else:
-            windows = RowWindows.build(valid, config.sink, config.local, config.budget, plan.lookahead,
+            windows = RowWindows.build(valid, config.budget.sink, config.budget.local, config.budget.total, plan.lookahead,
                                        sync=not static)
             self.work.begin_step(own_keys, self.num_layers, cache.kv_heads, prefix_tokens, sparse_rows=~windows.short)
         own_columns = None
@@ -318,13 +318,13 @@ class StepPlanner:
     def _make_plan(self, cache: HShareCache, batch: int) -> None:
         """Build and compile the sharing plan from the prefill evidence (one host sync)."""
         config = self.config
-        if not config.shares_layers_or_heads:
+        if not config.sharing.shares_layers_or_heads:
             plan = identity_plan(self.num_layers, cache.sel_heads, cache.storage_device)
         else:
-            generator = torch.Generator().manual_seed(config.seed) if config.planner == "random" else None
+            generator = torch.Generator().manual_seed(config.planner.seed) if config.planner.method == "random" else None
             plan = build_plan(
                 self.head_similarity, self.layer_similarity, self.sparse_layers, self.num_layers, cache.sel_heads,
-                config.layer_sharing, config.head_sharing, config.plan_scope == "sample", batch, cache.storage_device,
+                config.sharing.layer, config.sharing.head, config.planner.scope == "sample", batch, cache.storage_device,
                 generator,
             )
             self.counts.plans += 1

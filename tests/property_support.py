@@ -137,7 +137,7 @@ def config_overrides(draw, preset: str, spec: ModelSpec, budget: int | None = No
     base = preset_config(preset)
     if not base.sparse:
         return {}
-    streaming = base.heavy == 0
+    streaming = base.budget.heavy == 0
     if budget is None:
         sink = draw(st.integers(0, 4))
         local = draw(st.integers(1, 6))
@@ -155,7 +155,7 @@ def config_overrides(draw, preset: str, spec: ModelSpec, budget: int | None = No
     if draw(st.booleans()):  # query groups other than the preset's
         out["query_sharing"] = draw(st.sampled_from(["1", "1/2", "1/3"]))
     out["group_lookahead"] = draw(st.booleans())
-    if base.policy == "quest":
+    if base.policy.name == "quest":
         out["page_size"] = draw(st.sampled_from([1, 2, 4, 8]))
     else:
         out["label_bits"] = draw(st.sampled_from([4, 8, 16]))
@@ -320,7 +320,7 @@ def stored_prefix(batch: "Batch", config, window: int | None, new_tokens: int) -
     (the batch laid out ``[level 1 | level 2 | gap | own]`` plus the new tokens exceeds it)."""
     if config.prefix != "on":
         return None
-    expected = brute_force_prefix(batch.prompts, config.prefix_levels)
+    expected = brute_force_prefix(batch.prompts, config.prefix.levels)
     if expected is None or window is None:
         return expected
     return expected if sum(expected.widths) + expected.own_width + new_tokens <= window else None
@@ -532,13 +532,13 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
     their tokens (each group once) per layer.
     """
     layers, kv_heads = spec.layers, spec.kv_heads
-    sel = kv_heads if config.selection == "kv_head" else spec.q_heads
-    budget = config.budget
-    sparse_layers = [i for i in range(layers) if i not in set(config.dense_layers)] if config.sparse else []
+    sel = kv_heads if config.planner.selection == "kv_head" else spec.q_heads
+    budget = config.budget.total
+    sparse_layers = [i for i in range(layers) if i not in set(config.sharing.dense_layers)] if config.sparse else []
     n_sparse, n_dense = len(sparse_layers), layers - len(sparse_layers)
-    group = config.query_group
-    source_layers = sources_for(config.layer_sharing, n_sparse)
-    source_heads = sources_for(config.head_sharing, sel)
+    group = config.sharing.query_group
+    source_layers = sources_for(config.sharing.layer, n_sparse)
+    source_heads = sources_for(config.sharing.head, sel)
     counts = dict(decode_steps=steps, sparse_steps=0, dense_fallback_steps=0, selection_steps=0,
                   score_computations=0, plans=0, scored_tokens=0, scored_pages=0, kv_rows_read=0, dense_kv_rows=0)
     for s in range(1, steps + 1):
@@ -554,17 +554,17 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
             counts["kv_rows_read"] += n_sparse * kv_heads * sum(own)
         else:
             counts["kv_rows_read"] += n_sparse * sel * sum(min(n, budget) for n in own)
-        if (s - 1) % group == 0 and config.heavy > 0:
+        if (s - 1) % group == 0 and config.budget.heavy > 0:
             scorings = batch * source_layers * source_heads
             counts["selection_steps"] += 1
             counts["score_computations"] += scorings
-            if config.policy == "quest":
-                counts["scored_pages"] += scorings * pages_for(own_width + s, config.page_size)
+            if config.policy.name == "quest":
+                counts["scored_pages"] += scorings * pages_for(own_width + s, config.policy.page_size)
             else:
                 counts["scored_tokens"] += scorings * (own_width + s)
-    if n_sparse and steps and config.shares_layers_or_heads:
+    if n_sparse and steps and config.sharing.shares_layers_or_heads:
         counts["plans"] = 1
-    exact = group == 1 or (group == 2 and not config.group_lookahead and not window_clips)
+    exact = group == 1 or (group == 2 and not config.sharing.lookahead and not window_clips)
     return ExpectedStats(**counts, kv_rows_read_exact=exact)
 
 

@@ -93,7 +93,7 @@ def test_smoke_rows_and_table(tmp_path, monkeypatch):
         assert r["speedup"] == 1.0 if dense else r["speedup"] > 0
         assert r["step_graph_us"] is None and r["speedup_graph"] is None and r["graph_note"] == "no CUDA"
         assert r["kv_read_fraction"] == 1.0 if dense else r["kv_read_fraction"] < 1.0
-        assert r["stats"]["decode_steps"] == 2 * HShareConfig.from_preset(r["preset"]).query_group
+        assert r["stats"]["decode_steps"] == 2 * HShareConfig.from_preset(r["preset"]).sharing.query_group
 
     lines = attention.table_lines([attention.AttentionRow(**r) for r in rows])
     assert len(lines) == 1 + len(rows)

@@ -1,8 +1,12 @@
+import dataclasses
+
 import pytest
 import torch
+import yaml
 
 import hshare
-from hshare.config import ConfigError, HShareConfig, resolve_config
+from hshare.config import (BudgetConfig, ConfigError, HShareConfig, PlannerConfig, PrefixConfig, RuntimeConfig,
+                           SharingConfig, resolve_config)
 
 from conftest import tiny_llama
 
@@ -11,14 +15,14 @@ def test_presets_load_with_paper_budgets():
     names = hshare.preset_names()
     for base in ("ds", "streaming", "hshare-7_8-3_4-1_2", "hshare-3_4-3_4-1_2", "hshare-1_2-1_2-1_2"):
         small, large = HShareConfig.from_preset(base), HShareConfig.from_preset(base + "@512")
-        assert (small.budget, large.budget) == (128, 512), base
+        assert (small.budget.total, large.budget.total) == (128, 512), base
     assert "dense" in names and not HShareConfig.from_preset("dense").sparse
     ds = HShareConfig.from_preset("ds")
-    assert (ds.sink, ds.local, ds.heavy) == (8, 32, 88)
-    assert (ds.layer_sharing, ds.head_sharing, ds.query_group) == (1.0, 1.0, 1)
+    assert (ds.budget.sink, ds.budget.local, ds.budget.heavy) == (8, 32, 88)
+    assert (ds.sharing.layer, ds.sharing.head, ds.sharing.query_group) == (1.0, 1.0, 1)
     big = HShareConfig.from_preset("hshare-7_8-3_4-1_2@512")
-    assert (big.sink, big.local, big.heavy) == (16, 64, 432)
-    assert (big.layer_sharing, big.head_sharing, big.query_group) == (0.875, 0.75, 2)
+    assert (big.budget.sink, big.budget.local, big.budget.heavy) == (16, 64, 432)
+    assert (big.sharing.layer, big.sharing.head, big.sharing.query_group) == (0.875, 0.75, 2)
 
 
 @pytest.mark.parametrize("budget,split", [(128, (8, 32, 88)), (512, (16, 64, 432)), (1024, (16, 64, 944)),
@@ -27,17 +31,17 @@ def test_a_budget_by_name_keeps_the_preset_and_splits_sink_local_heavy(budget, s
     for base in ("ds", "hshare-1_2-1_2-1_2", "hshare-7_8-3_4-1_2", "quest", "random-1_2-1_2-1_2"):
         plain = HShareConfig.from_preset(base)
         sized = HShareConfig.from_preset(f"{base}@{budget}")
-        assert (sized.sink, sized.local, sized.heavy) == split and sized.budget == budget
+        assert (sized.budget.sink, sized.budget.local, sized.budget.heavy) == split and sized.budget.total == budget
         assert sized.name == f"{base}@{budget}"
-        assert sized.replace(sink=plain.sink, local=plain.local, heavy=plain.heavy) == plain  # nothing else moved
+        assert sized.replace(sink=plain.budget.sink, local=plain.budget.local, heavy=plain.budget.heavy) == plain  # nothing else moved
     streaming = HShareConfig.from_preset(f"streaming@{budget}")  # no scoring: the rest is local
-    assert (streaming.sink, streaming.local, streaming.heavy) == (split[0], budget - split[0], 0)
+    assert (streaming.budget.sink, streaming.budget.local, streaming.budget.heavy) == (split[0], budget - split[0], 0)
     assert resolve_config("ds", budget=budget) == HShareConfig.from_preset(f"ds@{budget}")
 
 
 def test_a_budget_override_yields_to_explicit_windows_and_names_are_listed():
     config = resolve_config("hshare-1_2-1_2-1_2", budget=2048, heavy=1000)
-    assert (config.sink, config.local, config.heavy) == (16, 64, 1000)
+    assert (config.budget.sink, config.budget.local, config.budget.heavy) == (16, 64, 1000)
     names = hshare.preset_names()
     assert {"hshare-1_2-1_2-1_2@2048", "ds@4096", "quest@1024", "streaming@512"} <= set(names)
     assert not any(name.startswith("dense@") for name in names)
@@ -70,14 +74,14 @@ def test_invalid_fields_name_the_field(field, value, words):
 
 def test_fraction_strings_and_overrides():
     config = resolve_config("hshare-3_4-3_4-1_2", heavy=40, query_sharing="1/4")
-    assert config.layer_sharing == 0.75 and config.heavy == 40 and config.query_group == 4
+    assert config.sharing.layer == 0.75 and config.budget.heavy == 40 and config.sharing.query_group == 4
 
 
 def test_unknown_preset_and_field():
     with pytest.raises(ConfigError, match="unknown preset"):
         resolve_config("hshare-9_9")
-    with pytest.raises(ConfigError, match="unknown HShareConfig field"):
-        HShareConfig.from_dict({"budget": 3})
+    with pytest.raises(ConfigError, match="unknown HShareConfig option 'budgett'"):
+        HShareConfig.from_dict({"budgett": 3})
     with pytest.raises(ConfigError, match="accepted"):
         resolve_config(42)
 
@@ -86,7 +90,7 @@ def test_yaml_path(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text("sink: 4\nlocal: 8\nheavy: 20\nhead_sharing: '1/2'\n")
     config = resolve_config(str(path))
-    assert config.budget == 32 and config.head_sharing == 0.5 and config.name == "mine"
+    assert config.budget.total == 32 and config.sharing.head == 0.5 and config.name == "mine"
 
 
 def test_model_dependent_checks():
@@ -109,9 +113,55 @@ def test_unsupported_model_names_supported_types():
 
 
 def test_misspelt_field_names_the_closest_accepted_field():
-    with pytest.raises(ConfigError, match="unknown HShareConfig field 'heavyy'; did you mean 'heavy'"):
+    with pytest.raises(ConfigError, match="unknown HShareConfig option 'heavyy'; did you mean 'heavy'"):
         hshare.HShareConfig.from_preset("ds").replace(heavyy=10)
     with pytest.raises(ConfigError, match="did you mean 'query_sharing'"):
         hshare.HShareConfig.from_dict({"query_shareing": 0.5})
-    with pytest.raises(ConfigError, match="unknown HShareConfig field 'zzz'; accepted fields: .*dense_fallback_mib"):
+    with pytest.raises(ConfigError, match="unknown HShareConfig option 'zzz'; accepted: .*dense_fallback_mib"):
         hshare.HShareConfig().replace(zzz=1)
+
+
+# ---- sections ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["dense", "ds@512", "hshare-7_8-3_4-1_2", "quest-1_2-1_2-1_2@1024", "loki", "streaming"])
+def test_every_preset_round_trips_through_its_sections(name, tmp_path):
+    config = HShareConfig.from_preset(name)
+    assert HShareConfig.from_dict(config.to_dict()) == config
+    path = tmp_path / "again.yaml"
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    assert resolve_config(str(path)) == config
+
+
+def test_flat_dotted_and_sectioned_spellings_build_the_same_config():
+    flat = HShareConfig(sink=4, local=12, heavy=48, layer_sharing="1/2", query_sharing="1/4", planner="random",
+                        prefix="off", policy="quest", page_size=8, cuda_graphs=False)
+    dotted = HShareConfig(**{"budget.sink": 4, "budget.local": 12, "budget.heavy": 48, "sharing.layer": 0.5,
+                             "sharing.query": 0.25, "planner.method": "random", "prefix.mode": "off",
+                             "policy.name": "quest", "policy.page_size": 8, "runtime.cuda_graphs": False})
+    sectioned = HShareConfig(budget=BudgetConfig(4, 12, 48), sharing=SharingConfig(layer=0.5, query=0.25),
+                             planner=PlannerConfig(method="random"), prefix=PrefixConfig(mode="off"),
+                             policy={"name": "quest", "page_size": 8}, runtime=RuntimeConfig(cuda_graphs=False))
+    assert flat == dotted == sectioned
+    assert flat.budget.total == 64 and flat.sharing.query_group == 4 and flat.policy.page_size == 8
+
+
+def test_replace_merges_a_mapping_into_its_section_and_keeps_the_rest():
+    base = resolve_config("hshare-1_2-1_2-1_2@512")
+    changed = base.replace(sharing={"layer": "3/4"}, budget=1024)
+    assert changed.sharing == SharingConfig(layer=0.75, head=0.5, query=0.5)
+    assert changed.budget == BudgetConfig.split(1024) and changed.policy == base.policy
+    assert base.replace(policy="labels") == base  # the same policy keeps its options
+    assert base.replace(label_channels=8).replace(policy="quest").policy.page_size == 16  # a new one starts afresh
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.sharing.layer = 0.25
+
+
+def test_an_invalid_value_names_its_section_field_and_the_option_as_given():
+    with pytest.raises(ConfigError, match=r"HShareConfig.sharing.layer = 0.0 is out of range.*\(set as 'layer_sharing'\)"):
+        HShareConfig(layer_sharing=0)
+    with pytest.raises(ConfigError, match=r"HShareConfig.sharing has no field 'layr'; did you mean 'layer'"):
+        HShareConfig(sharing={"layr": 0.5})
+    with pytest.raises(ConfigError, match="'page_size' belongs to the 'quest' policy, but the config's policy is 'labels'"):
+        resolve_config("ds", page_size=8)
+    with pytest.raises(ConfigError, match="sparse_prefill = True with prefix.mode = 'on'"):
+        HShareConfig(sparse_prefill=True, prefix="on")

@@ -380,7 +380,7 @@ def test_second_turn_continues_the_cache(preset, overrides):
 
 def test_invalid_budget_is_refused_naming_the_field():
     """The edge of validation: a budget with no local window cannot hold the current token."""
-    with pytest.raises(ConfigError, match="HShareConfig.local"):
+    with pytest.raises(ConfigError, match="HShareConfig.budget.local"):
         hshare.patch(tiny_llama(), "ds", local=0)
 
 

@@ -110,7 +110,7 @@ def test_a_patched_model_gets_its_config_back():
     model = tiny_mistral(sliding_window=24)
     hshare.patch(model, "ds", heavy=5)
     measure_fidelity(model, TEXT, None, [40], ["streaming"], windows=1, steps=4)
-    assert patch_state(model).config.heavy == 5
+    assert patch_state(model).config.budget.heavy == 5
 
 
 def test_measure_checks_before_any_work(model):
@@ -118,7 +118,7 @@ def test_measure_checks_before_any_work(model):
         measure_fidelity(model, TEXT, None, [1001], ["dense"], steps=24)
     with pytest.raises(ValueError, match=r"text has 400 tokens: too short"):
         measure_fidelity(model, TEXT, None, [300], ["dense"], windows=200, steps=4)
-    with pytest.raises(hshare.ConfigError, match="unknown HShareConfig field 'heavvy'; did you mean 'heavy'"):
+    with pytest.raises(hshare.ConfigError, match="unknown HShareConfig option 'heavvy'; did you mean 'heavy'"):
         measure_fidelity(model, TEXT, None, [32], ["dense"], overrides={"heavvy": 3})
     with pytest.raises(hshare.ConfigError, match="unknown preset"):
         measure_fidelity(model, TEXT, None, [32], ["nope"])
@@ -237,8 +237,8 @@ def test_cli_arguments(capsys):
     for argv, message in [
         (["--lengths", "1k,two"], "context length 'two'"),
         (["--configs", "nope"], "unknown preset 'nope'"),
-        (["--set", "heavvy=3"], "accepted: field=value with an HShareConfig field"),
-        (["--set", "heavy"], "accepted: field=value"),
+        (["--set", "heavvy=3"], "accepted: option=value with an HShareConfig option"),
+        (["--set", "heavy"], "accepted: option=value"),
     ]:
         defaults = {"--lengths": "1k", "--configs": "ds"}
         defaults.update(dict(zip(argv[::2], argv[1::2])))

@@ -117,7 +117,7 @@ def test_patched_context_restores_previous_config():
     model = tiny_llama()
     hshare.patch(model, "ds", **SMALL)
     with hshare.patched(model, "hshare-1_2-1_2-1_2"):
-        assert hshare.new_cache(model).config.layer_sharing == 0.5
+        assert hshare.new_cache(model).config.sharing.layer == 0.5
     assert hshare.new_cache(model).config.name == "ds"
 
 

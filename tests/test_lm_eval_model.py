@@ -42,9 +42,9 @@ def test_registered_and_model_args_parsed():
     assert args == {"batch_size": 2}  # ours popped, lm-eval's left
     with pytest.raises(ConfigError, match="hshare_heavy"):
         parse_overrides({"hshare_heavyy": 3})
-    assert evaluation_config("ds").dense_fallback_mib == 0.0  # evaluation measures the algorithm
-    assert evaluation_config("ds", dense_fallback=True).dense_fallback_mib is None
-    assert evaluation_config("ds", {"heavy": 7}).heavy == 7
+    assert evaluation_config("ds").runtime.dense_fallback_mib == 0.0  # evaluation measures the algorithm
+    assert evaluation_config("ds", dense_fallback=True).runtime.dense_fallback_mib is None
+    assert evaluation_config("ds", {"heavy": 7}).budget.heavy == 7
 
 
 def test_dense_generations_equal_the_unpatched_model_and_sparse_ones_count_work():
@@ -66,7 +66,7 @@ def test_dense_generations_equal_the_unpatched_model_and_sparse_ones_count_work(
     assert work["decode_steps"] == 9 and work["dense_fallback_steps"] == 0
     # ds: every (row, layer, KV head) scores at every decode step
     assert work["score_computations"] == 9 * 3 * 3 * 2
-    assert hshare.api.patch_state(model).config.dense_fallback_mib == 0.0
+    assert hshare.api.patch_state(model).config.runtime.dense_fallback_mib == 0.0
     sparse.unpatch()
     assert hshare.api.patch_state(model) is None
 

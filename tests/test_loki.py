@@ -7,7 +7,7 @@ import torch
 import hshare
 from hshare import static_decode
 from hshare.config import ConfigError, HShareConfig
-from hshare.loki import LokiKeyCache, loki_rank, principal_components
+from hshare.loki import LokiKeyCache, principal_components
 
 from conftest import VOCAB, assert_rows_equal_alone, greedy, left_pad, left_padded, tiny_llama
 
@@ -159,23 +159,23 @@ def test_static_writes_equal_appends():
 
 
 def test_rank_is_validated():
-    assert loki_rank(HShareConfig(policy="loki"), 64) == 16 and loki_rank(HShareConfig(policy="loki"), 2) == 1
-    assert loki_rank(HShareConfig(policy="loki", loki_rank=5), 64) == 5
+    assert HShareConfig(policy="loki").policy.rank_at(64) == 16 and HShareConfig(policy="loki").policy.rank_at(2) == 1
+    assert HShareConfig(policy="loki", loki_rank=5).policy.rank_at(64) == 5
     for bad in (0, 2000, 2.5, True, "8"):
-        with pytest.raises(ConfigError, match="loki_rank.*accepted: an integer in \\[1, 1024\\]"):
+        with pytest.raises(ConfigError, match="policy.rank.*accepted: an integer in \\[1, 1024\\]"):
             HShareConfig(policy="loki", loki_rank=bad)
-    with pytest.raises(ConfigError, match="loki_rank = 32 exceeds the model's head_dim 16"):
+    with pytest.raises(ConfigError, match="policy.rank = 32 exceeds the model's head_dim 16"):
         HShareConfig(policy="loki", loki_rank=32).validate_for_model(4, 16)
-    with pytest.raises(ConfigError, match="loki_rank = 32 exceeds the keys' head_dim 16"):
-        loki_rank(HShareConfig(policy="loki", loki_rank=32), 16)
+    with pytest.raises(ConfigError, match="policy.rank = 32 exceeds the model's head_dim 16"):
+        HShareConfig(policy="loki", loki_rank=32).policy.rank_at(16)
 
 
 def test_preset_and_budget_names():
     loki = HShareConfig.from_preset("loki")
-    assert (loki.policy, loki.loki_rank, loki.budget) == ("loki", None, 128)
-    assert (loki.layer_sharing, loki.head_sharing, loki.query_group) == (1.0, 1.0, 1)
+    assert (loki.policy.name, loki.policy.rank, loki.budget.total) == ("loki", None, 128)
+    assert (loki.sharing.layer, loki.sharing.head, loki.sharing.query_group) == (1.0, 1.0, 1)
     big = HShareConfig.from_preset("loki@512")
-    assert (big.sink, big.local, big.heavy, big.policy, big.name) == (16, 64, 432, "loki", "loki@512")
+    assert (big.budget.sink, big.budget.local, big.budget.heavy, big.policy.name, big.name) == (16, 64, 432, "loki", "loki@512")
     assert "loki@2048" in hshare.preset_names()
 
 

@@ -2,11 +2,13 @@
 policy inherits (select_rows, crop, freeze, thaw, nbytes, buffers), checked for each policy against
 expectations computed from shapes and from the policy's own scores before the operation."""
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 import hshare.policy as policy_module
-from hshare.config import POLICIES, ConfigError, HShareConfig
+from hshare.config import ConfigError, HShareConfig, PolicyConfig, resolve_config
 from hshare.labels import LabelCache
 from hshare.loki import LokiKeyCache
 from hshare.policy import SelectionPolicy, new_policy, policy_class, policy_names, register_policy
@@ -32,8 +34,9 @@ def make_policy(name, keys, valid, selection="kv_head", reserve=RESERVE):
     """A policy of `name` made at a prefill of the first PROMPT columns (per-row channels for labels)."""
     sel_heads = KV_HEADS if selection == "kv_head" else Q_HEADS
     query = torch.randn(BATCH, Q_HEADS, PROMPT, DIM, generator=torch.Generator().manual_seed(1), dtype=keys.dtype)
-    config = HShareConfig(policy=name, selection=selection, heavy_channels="dynamic", label_channels=CHANNELS,
-                          label_bits=BITS, page_size=PAGE, loki_rank=RANK)
+    options = {"labels": dict(heavy_channels="dynamic", label_channels=CHANNELS, label_bits=BITS),
+               "quest": dict(page_size=PAGE), "loki": dict(loki_rank=RANK)}[name]
+    config = HShareConfig(policy=name, selection=selection, **options)
     made = new_policy(config, None, 0, query, keys[:, :, :PROMPT], valid[:, :PROMPT], KV_HEADS, reserve)
     assert type(made) is policy_class(name) and made.sel_heads == sel_heads
     return made
@@ -67,10 +70,13 @@ def query_of(seed=2, rows=BATCH):
     return torch.randn(rows, Q_HEADS, DIM, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
+POLICIES = ("labels", "loki", "quest")  # registration order
+
+
 # ---- registry ----------------------------------------------------------------------------------
 
 def test_every_config_policy_is_registered_and_looked_up():
-    assert set(policy_names()) == set(POLICIES)
+    assert policy_names() == POLICIES
     assert (policy_class("labels"), policy_class("quest"), policy_class("loki")) == (LabelCache, QuestPageCache,
                                                                                   LokiKeyCache)
     assert all(policy_class(name).name == name and policy_class(name).supports_static for name in POLICIES)
@@ -80,17 +86,23 @@ def test_every_config_policy_is_registered_and_looked_up():
 def test_an_unknown_policy_is_refused_naming_the_registered_ones():
     with pytest.raises(ConfigError, match="unknown selection policy 'h2o'; accepted: 'labels', 'loki', 'quest'"):
         policy_class("h2o")
-    with pytest.raises(ConfigError, match="policy = 'h2o' is invalid; accepted: 'labels', 'quest', 'loki'"):
+    with pytest.raises(ConfigError, match="policy = 'h2o' is invalid; accepted: 'labels', 'loki', 'quest'"):
         HShareConfig(policy="h2o")
 
 
 def test_registration_checks_and_the_base_defaults(monkeypatch):
     monkeypatch.setattr(policy_module, "_REGISTRY", dict(policy_module._REGISTRY))
 
+    @dataclass(frozen=True)
+    class CountingConfig(PolicyConfig):
+        """The policy's own section of the config."""
+        weight: int = 1
+        flat_names = {"counting_weight": "weight"}
+
     @register_policy("counting")
     class Counting(SelectionPolicy):
         """Scores a token by its column (a minimal policy: no static write, default describe)."""
-        options = ("sink", "local")
+        config_class = CountingConfig
         column_buffers = ("marks",)
 
         @classmethod
@@ -111,8 +123,14 @@ def test_registration_checks_and_the_base_defaults(monkeypatch):
             return torch.arange(self.length, dtype=torch.float32).expand(*query.shape[:2], -1)
 
     assert policy_class("counting") is Counting and Counting.name == "counting" and not Counting.supports_static
-    config = HShareConfig(sink=3, local=5)
-    assert Counting.describe(config) == "counting sink=3 local=5"
+    # the config knows the new policy and its options without a change to hshare.config
+    config = HShareConfig(policy="counting", counting_weight=3)
+    assert config.policy == CountingConfig(weight=3) and config.policy.describe() == "counting weight 3"
+    assert HShareConfig.from_dict(config.to_dict()) == config
+    assert resolve_config("ds", policy="counting").policy == CountingConfig()
+    with pytest.raises(ConfigError, match="'counting_weight' belongs to the 'counting' policy, but the config's policy "
+                                          "is 'labels'; accepted for it: label_channels, label_bits, heavy_channels"):
+        HShareConfig(counting_weight=2)
     made = policy_class("counting").from_prefill(config, None, 0, torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8),
                                                  torch.ones(1, 4, dtype=torch.bool), 2, 0)
     made.append(torch.zeros(1, 2, 4, 8))
@@ -124,6 +142,8 @@ def test_registration_checks_and_the_base_defaults(monkeypatch):
         register_policy("counting")(type("Other", (Counting,), {}))
     with pytest.raises(TypeError, match="accepted: a SelectionPolicy subclass"):
         register_policy("plain")(dict)
+    with pytest.raises(TypeError, match="config_class = PolicyConfig; accepted: a PolicyConfig subclass of the policy's own"):
+        register_policy("bare")(type("Bare", (Counting,), {"config_class": PolicyConfig}))
     with pytest.raises(ValueError, match="unit = 'bytes'; accepted: 'tokens', 'pages'"):
         register_policy("bytes")(type("Bytes", (Counting,), {"unit": "bytes"}))
     with pytest.raises(TypeError, match="slot_buffers \\('pages',\\) but no slots"):
@@ -132,10 +152,11 @@ def test_registration_checks_and_the_base_defaults(monkeypatch):
 
 def test_each_policy_describes_itself():
     config = HShareConfig()
-    assert LabelCache.describe(config) == "labels 16x4b, heavy channels auto"
-    assert QuestPageCache.describe(config.replace(page_size=8)) == "quest pages of 8"
-    assert LokiKeyCache.describe(config) == "loki rank head_dim/4"
-    assert LokiKeyCache.describe(config.replace(loki_rank=12)) == "loki rank 12"
+    assert config.policy.describe() == "labels 16x4b, heavy channels auto"
+    assert config.replace(policy="quest", page_size=8).policy.describe() == "quest pages of 8"
+    assert config.replace(policy="loki").policy.describe() == "loki rank head_dim/4"
+    assert config.replace(policy="loki", loki_rank=12).policy.describe() == "loki rank 12"
+    assert [policy_class(name).config_class.name for name in POLICIES] == list(POLICIES)
 
 
 # ---- storage mechanics, for every policy ----------------------------------------------------------

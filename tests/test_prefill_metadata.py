@@ -46,7 +46,7 @@ def test_metadata_is_built_after_the_prefill_forward(preset):
     for index in cache.sparse_layers:
         layer = cache.layers[index]
         assert index not in cache.planner.pending and layer.policy.length == columns
-    if cache.config.policy == "labels":  # the labels are those of the cached keys
+    if cache.config.policy.name == "labels":  # the labels are those of the cached keys
         for index in cache.sparse_layers:
             layer, policy = cache.layers[index], cache.layers[index].policy
             keys = layer.keys  # [B, Hkv, n, d]; selection per KV head here
@@ -55,7 +55,7 @@ def test_metadata_is_built_after_the_prefill_forward(preset):
             codes, scale, zero = quantize_labels(picked, policy.bits)
             assert torch.equal(policy.codes.view(), codes)
             assert torch.equal(policy.scale.view(), scale) and torch.equal(policy.zero.view(), zero)
-    if cache.config.shares_layers_or_heads:  # the planner's evidence of every sparse layer is there
+    if cache.config.sharing.shares_layers_or_heads:  # the planner's evidence of every sparse layer is there
         assert sorted(cache.planner.head_similarity) == cache.sparse_layers
         assert sorted(cache.planner.layer_similarity) == cache.sparse_layers
 
@@ -104,13 +104,13 @@ def test_evidence_held_through_the_forward_is_what_the_policy_scores(preset):
             greedy(model, ids, mask, new_tokens=1, past_key_values=cache)
         finally:
             hook.remove()
-    config, rows = cache.config, cache.config.plan_rows
+    config, rows = cache.config, cache.config.planner.rows
     assert len(held) == len(cache.sparse_layers) > 1
     assert all(pending.valid is held[0].valid for pending in held)  # one copy of the keys' validity per forward
     assert held[0].valid._base is None and cache.planner.prefill_valid is None  # a copy, dropped once complete
     for evidence in (pending.evidence_query for pending in held):
         assert evidence._base is None
-        if config.policy == "labels":
-            assert evidence.shape == (3, cache.sel_heads, rows, config.label_channels)
+        if config.policy.name == "labels":
+            assert evidence.shape == (3, cache.sel_heads, rows, config.policy.channels)
         else:
             assert evidence.shape == (3, cache.q_heads, rows, model.config.head_dim)

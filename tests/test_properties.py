@@ -428,11 +428,11 @@ def test_exact_where_the_result_must_be_exact(scenario):
         own = [min(n, spec.window) for n in own]  # keys outside the window are never valid
     with hshare.patched(model, config):
         cache = hshare.new_cache(model)
-        with ps.SelectionSpy(config.sink, config.local, config.budget, config.heavy):
+        with ps.SelectionSpy(config.budget.sink, config.budget.local, config.budget.total, config.budget.heavy):
             seq, logits = ps.generate(model, ids, mask, new_tokens, cache=cache)
     assert torch.isfinite(logits).all()
     atol = 1e-8 if spec.dtype == "float64" else 2e-5
-    fits = [row for row, n in enumerate(own) if not config.sparse or n + new_tokens - 1 <= config.budget]
+    fits = [row for row, n in enumerate(own) if not config.sparse or n + new_tokens - 1 <= config.budget.total]
     event(f"rows compared: {'all' if len(fits) == len(own) else 'some'}")
     ps.assert_same_generation(ref_seq[fits], ref_logits[fits], seq[fits], logits[fits], ids.shape[1], atol)
     if expected_prefix is None:
@@ -445,7 +445,7 @@ def test_exact_where_the_result_must_be_exact(scenario):
     assert stats.decode_steps == new_tokens - 1 and stats.dense_fallback_steps == 0
     if len(fits) == len(own):
         assert stats.sparse_steps == 0
-        assert stats.kv_rows_read <= stats.dense_kv_rows or config.selection == "query_head"
+        assert stats.kv_rows_read <= stats.dense_kv_rows or config.planner.selection == "query_head"
 
 
 @st.composite
@@ -456,7 +456,7 @@ def invariant_scenarios(draw, presets=tuple(PRESETS), dtypes=("float32", "float6
     preset = draw(st.sampled_from(presets))
     overrides = draw(ps.config_overrides(preset, spec))
     config = hshare.HShareConfig.from_preset(preset).replace(**overrides)
-    batch = draw(ps.batches(ps.length_classes(max(config.budget, 1))))
+    batch = draw(ps.batches(ps.length_classes(max(config.budget.total, 1))))
     share = batch.structure != "none"
     overrides["prefix"] = "on" if share else "off"
     overrides["prefix_levels"] = 2 if batch.structure == "two" else draw(st.sampled_from([1, 2]))
@@ -491,7 +491,7 @@ def test_sparse_decode_invariants_and_counters(scenario):
     note(f"config: {config}")
     with hshare.patched(model, config):
         cache = hshare.new_cache(model)
-        with ps.SelectionSpy(config.sink, config.local, config.budget, config.heavy, expected_valid) as spy:
+        with ps.SelectionSpy(config.budget.sink, config.budget.local, config.budget.total, config.budget.heavy, expected_valid) as spy:
             seq, logits = ps.generate(model, ids, mask, new_tokens, cache=cache)
     assert torch.isfinite(logits).all(), "NaN / inf in the logits"
     assert seq.shape == (len(lengths), ids.shape[1] + new_tokens)
@@ -522,7 +522,7 @@ def alone_scenarios(draw):
     overrides = draw(ps.config_overrides(preset, spec))
     overrides.update(plan_scope="sample", prefix="off")
     config = hshare.HShareConfig.from_preset(preset).replace(**overrides)
-    batch = draw(ps.batches(ps.length_classes(max(config.budget, 1)), structures=("none",), max_batch=4,
+    batch = draw(ps.batches(ps.length_classes(max(config.budget.total, 1)), structures=("none",), max_batch=4,
                             paddings=("left", "left_extra")))
     return spec, preset, overrides, batch, draw(st.integers(2, 7))
 
@@ -578,15 +578,15 @@ def test_static_shape_decode_equals_eager_decode(scenario):
         for name in ("decode_steps", "sparse_steps", "dense_fallback_steps", "selection_steps",
                      "score_computations", "plans", "dense_kv_rows"):
             assert getattr(ours, name) == getattr(theirs, name), name
-        if static.config.selection == "query_head":
+        if static.config.planner.selection == "query_head":
             # a step whose rows all fit N_c: eager reads each valid key once per KV head (dense SDPA);
             # static shapes never read the device to learn that, and gather per query head (GQA x)
             assert theirs.kv_rows_read <= ours.kv_rows_read <= theirs.kv_rows_read * spec.gqa
         else:
             assert ours.kv_rows_read == theirs.kv_rows_read
         if static.static_decode.reason == "" and static.reserve:
-            if static.config.policy == "quest":  # every reserved page slot
-                assert ours.scored_pages == ours.score_computations * pages_for(static.reserve, static.config.page_size)
+            if static.config.policy.name == "quest":  # every reserved page slot
+                assert ours.scored_pages == ours.score_computations * pages_for(static.reserve, static.config.policy.page_size)
             else:
                 assert ours.scored_tokens == ours.score_computations * static.reserve
 

@@ -174,11 +174,11 @@ def test_the_heavy_budget_takes_whole_best_pages():
 
 def test_quest_is_a_selection_policy():
     assert isinstance(QuestPageCache(2, 2, 16), SelectionPolicy)
-    assert HShareConfig.from_preset("quest").policy == "quest"
+    assert HShareConfig.from_preset("quest").policy.name == "quest"
     big, shared = HShareConfig.from_preset("quest@512"), HShareConfig.from_preset("quest-1_2-1_2-1_2")
-    assert (big.sink, big.local, big.heavy, big.page_size) == (16, 64, 432, 16)
-    assert (shared.layer_sharing, shared.head_sharing, shared.query_group, shared.budget) == (0.5, 0.5, 2, 128)
-    with pytest.raises(ConfigError, match="policy.*accepted: 'labels', 'quest'"):
+    assert (big.budget.sink, big.budget.local, big.budget.heavy, big.policy.page_size) == (16, 64, 432, 16)
+    assert (shared.sharing.layer, shared.sharing.head, shared.sharing.query_group, shared.budget.total) == (0.5, 0.5, 2, 128)
+    with pytest.raises(ConfigError, match="policy.*accepted: 'labels', 'loki', 'quest'"):
         HShareConfig(policy="h2o")
     with pytest.raises(ConfigError, match="page_size.*accepted"):
         HShareConfig(policy="quest", page_size=0)

@@ -45,8 +45,8 @@ def _same_work(static_cache, eager_cache) -> None:
                  "plans", "kv_rows_read", "dense_kv_rows"):
         assert getattr(ours, name) == getattr(theirs, name), name
     # static shapes score every reserved column (labels) or page slot (Quest): scorings x reserve
-    if static_cache.config.policy == "quest":
-        assert ours.scored_pages == ours.score_computations * pages_for(static_cache.reserve, static_cache.config.page_size)
+    if static_cache.config.policy.name == "quest":
+        assert ours.scored_pages == ours.score_computations * pages_for(static_cache.reserve, static_cache.config.policy.page_size)
     else:
         assert ours.scored_tokens == ours.score_computations * static_cache.reserve
 
@@ -176,7 +176,7 @@ def test_generation_below_the_dense_fallback_makes_no_labels(monkeypatch, outgro
         monkeypatch.setattr(api, "new_token_budget", static_decode.new_token_budget)
     reserve = ids.shape[1] + new_tokens - 1 - (4 if outgrow else 0)
     head_dim = model.config.hidden_size // model.config.num_attention_heads
-    n_c = hshare.HShareConfig.from_preset("hshare-1_2-1_2-1_2").replace(**SPARSE).budget
+    n_c = hshare.HShareConfig.from_preset("hshare-1_2-1_2-1_2").replace(**SPARSE).budget.total
     # what a sparse step at the reserve saves: rows x (columns - N_c) x KV heads x d x float32 x (K, V)
     layer_bytes = 2 * (reserve - n_c) * 2 * head_dim * 4 * 2
     fallback_mib = (layer_bytes + 1) / 2**20  # the reserve's saving is below it, one more column's is not

@@ -20,7 +20,7 @@ def test_steps_run_sparse_once_they_save_the_threshold(kv_heads):
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     token_bytes = kv_heads * head_dim * 4 * 2  # K and V, float32
     crossing = int(torch.randint(2, new_tokens - 2, ()))  # the first decode step that saves enough
-    saved_at = lambda step: rows * (width + step - config.budget) * token_bytes  # noqa: E731 - own columns at step
+    saved_at = lambda step: rows * (width + step - config.budget.total) * token_bytes  # noqa: E731 - own columns at step
     threshold = (saved_at(crossing - 1) + saved_at(crossing)) / 2
     with hshare.patched(model, config.replace(dense_fallback_mib=threshold / 2**20)):
         cache = hshare.new_cache(model)
@@ -31,7 +31,7 @@ def test_steps_run_sparse_once_they_save_the_threshold(kv_heads):
     assert stats.dense_fallback_steps == crossing - 1  # steps 1 .. crossing - 1 ran dense
     assert stats.sparse_steps == decode_steps - (crossing - 1)
     assert cache.planner.decision.startswith("sparse: a sparse step saves")
-    assert f"{rows} rows x ({width + decode_steps} - {config.budget}) columns" in cache.planner.decision
+    assert f"{rows} rows x ({width + decode_steps} - {config.budget.total}) columns" in cache.planner.decision
 
 
 def test_a_context_within_the_budget_never_pays():
@@ -48,7 +48,7 @@ def test_a_context_within_the_budget_never_pays():
 def test_auto_threshold_by_device_and_graphs():
     config = HShareConfig()
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert config.sparse_min_saved_bytes(cuda, graphs=True) == 96 * 2**20
-    assert config.sparse_min_saved_bytes(cuda, graphs=False) == 768 * 2**20
-    assert config.sparse_min_saved_bytes(cpu, graphs=True) == config.sparse_min_saved_bytes(cpu, graphs=False) == 0
-    assert config.replace(dense_fallback_mib=5).sparse_min_saved_bytes(cuda, graphs=True) == 5 * 2**20
+    assert config.runtime.sparse_min_saved_bytes(cuda, graphs=True) == 96 * 2**20
+    assert config.runtime.sparse_min_saved_bytes(cuda, graphs=False) == 768 * 2**20
+    assert config.runtime.sparse_min_saved_bytes(cpu, graphs=True) == config.runtime.sparse_min_saved_bytes(cpu, graphs=False) == 0
+    assert config.replace(dense_fallback_mib=5).runtime.sparse_min_saved_bytes(cuda, graphs=True) == 5 * 2**20

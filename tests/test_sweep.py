@@ -97,7 +97,7 @@ def test_summary_relative_scores_costs_and_files(tmp_path):
 def test_evaluation_keeps_explicit_fallbacks_and_resume_tells_fallback_runs_apart(tmp_path):
     from hshare.eval.harness import evaluation_config
 
-    assert evaluation_config("ds", {"dense_fallback_mib": 64}).dense_fallback_mib == 64.0  # set by the user: kept
+    assert evaluation_config("ds", {"dense_fallback_mib": 64}).runtime.dense_fallback_mib == 64.0  # set by the user: kept
     spec = load_sweep(_write(tmp_path, "configs: [ds, {name: ds-fb, preset: ds, set: {dense_fallback_mib: 64}}]\n"))
     out, calls = tmp_path / "out", []
     records = run_sweep(spec, lambda e: _fake_result(e.name, calls), out, ["gsm8k"], 2)

@@ -154,7 +154,7 @@ def test_tensor_parallel_matches_one_process(runs, name, record_property):
         # each rank scores round(b * H_rank) heads of round(l * L) layers for every row
         config = hshare.config.resolve_config(preset, **overrides)
         rows = ranks[0]["tokens"].shape[0]
-        scored = (sources_for_ratio(config.layer_sharing, LAYERS) * sources_for_ratio(config.head_sharing, kv_rank)
+        scored = (sources_for_ratio(config.sharing.layer, LAYERS) * sources_for_ratio(config.sharing.head, kv_rank)
                   * rows * ranks[0]["stats"]["selection_steps"])
         assert all(rank["stats"]["score_computations"] == scored for rank in ranks), context
 

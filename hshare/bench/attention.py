@@ -55,7 +55,7 @@ PRESETS = (DENSE_PRESET, "ds", "hshare-1_2-1_2-1_2", "hshare-3_4-3_4-1_2")
 HARNESS_LAYERS = 8  # probes of the harness: each holds its own KV, so memory bounds them
 DECODE_TOKENS = 64  # rows of the per-layer query / key / value tables decode steps draw from
 TIMED_CYCLES = 10
-PREFIX_BENCH_LAYERS = 4  # probes of `bench_preset`'s harness (the prefix benchmark's rows are large)
+PREFIX_BENCH_LAYERS = 4  # probes of the prefix benchmark's harness (its rows are large)
 
 
 def probe_model_config(q_heads: int, kv_heads: int, head_dim: int, layers: int) -> LlamaConfig:
@@ -237,7 +237,7 @@ def measure_preset(probes: AttentionProbes, config: HShareConfig, cycles: int = 
     compile, each step kind is captured), then `cycles` timed ones, eager and, with `graphs` on CUDA,
     through the static decoder. Each path decodes its own generation from the same prompt and the
     same step inputs."""
-    group = config.query_group
+    group = config.sharing.query_group
     steps = (cycles + 1) * group
     schedule = probes.decode_inputs(steps)
     schedule = [schedule[start:start + group] for start in range(0, steps, group)]
@@ -316,7 +316,7 @@ class AttentionRow:
         sdpa_us: decode SDPA over one layer's prompt, per backend that ran; fastest_sdpa: the fastest;
             sdpa_graph_us: the fastest replayed as a CUDA graph (None off CUDA).
         path: "dense" (the dense preset), "sparse", or "dense fallback" (a sparse preset whose every
-            timed step the planner ran densely: `HShareConfig.dense_fallback_mib`).
+            timed step the planner ran densely: `HShareConfig.runtime.dense_fallback_mib`).
         step_kinds: the timed eager steps' kinds, counted.
         step_us: eager; speedup: the dense preset's eager step over this one; speedup_sdpa: the fastest
             SDPA over this step.
@@ -465,15 +465,3 @@ def main_attention(out: Path, smoke: bool, layers: int = HARNESS_LAYERS, presets
     results = {"env": environment(), "attention": [asdict(r) for r in rows]}
     write(results, out, "bench_attention")
     return results
-
-
-def bench_preset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: HShareConfig, layers: int) -> dict:
-    """`measure_preset` at the shape, dtype and device of ``q [B, Hq, 1, d]`` and ``k, v [B, Hkv, n, d]``
-    (what `hshare.bench.prefix` compares its shared-prefix attention with): ``{"step_us": ..,
-    "step_graph_us": ..}`` per (layer, step), over ``min(layers, PREFIX_BENCH_LAYERS)`` probes. The
-    tensors' values are not read: the harness makes its own random prompt of their shape."""
-    batch, q_heads, _, head_dim = q.shape
-    probes = AttentionProbes(batch, q_heads, k.shape[1], k.shape[2], head_dim, min(layers, PREFIX_BENCH_LAYERS),
-                             v.dtype, v.device)
-    timing = measure_preset(probes, config)
-    return {"step_us": timing.step_us, "step_graph_us": timing.step_graph_us}

@@ -11,7 +11,7 @@ as Markdown:
   peak memory (and whether it is above ``static``'s), prefill time;
 * with ``dense`` and sparse paths: the crossover table, per shape the dense rate, each sparse path's
   rate and ratio to dense, and which of the two the path's config *without* its ``dense_fallback_mib``
-  override would run (the rule of `HShareConfig.dense_fallback_mib`: a decode step whose per-layer KV,
+  override would run (the rule of `HShareConfig.runtime.dense_fallback_mib`: a decode step whose per-layer KV,
   rows x columns x K and V, is below the threshold runs dense) and whether that is the faster one.
   Run the sparse paths with ``+dense_fallback_mib=0`` so that they decode sparsely at every size::
 
@@ -69,11 +69,11 @@ def default_runs(path: str, model_config, rows: int, prompt: int, new_tokens: in
     config = generate.path_config(path, without=("dense_fallback_mib",))
     if config is None or not config.sparse:
         return "-"
-    threshold = config.sparse_min_saved_bytes(device, graphs=True)
+    threshold = config.runtime.sparse_min_saved_bytes(device, graphs=True)
     token = rows * roofline.kv_token_bytes(model_config, element_bytes)
-    if token * max(prompt + new_tokens - 1 - config.budget, 0) < threshold:
+    if token * max(prompt + new_tokens - 1 - config.budget.total, 0) < threshold:
         return "dense"
-    return "sparse" if token * max(prompt + 1 - config.budget, 0) >= threshold else "mixed"
+    return "sparse" if token * max(prompt + 1 - config.budget.total, 0) >= threshold else "mixed"
 
 
 def _rate(row: GenerateRow) -> str:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hshare import compat
-from hshare.bench.attention import bench_preset
+from hshare.bench.attention import PREFIX_BENCH_LAYERS, AttentionProbes, measure_preset
 from hshare.bench.results import environment, speedup_panels, write
 from hshare.bench.timing import dense_graph_us, dense_sdpa_us, graph_time_us, time_us
 from hshare.config import HShareConfig
@@ -94,16 +94,22 @@ def bench_prefix(shapes, own=256, q_heads=32, kv_heads=8, dim=128, dtype=torch.b
     return rows
 
 
-def _sparse_unshared(q, full_k, full_v, layers=32) -> dict:
-    """ds and 1/2-1/2-1/2 over the materialised [prefix; own] of every row (eager and graph us)."""
+def _sparse_unshared(q, full_k, full_v) -> dict:
+    """ds and 1/2-1/2-1/2 over every row's own [prefix; own] columns (eager and graph us per layer and
+    step), through the attention benchmark's harness (`measure_preset`: the library's real step) at the
+    shape, dtype and device of ``q [B, Hq, 1, d]`` and ``full_k, full_v [B, Hkv, n, d]`` (their values
+    are not read: the harness draws its own prompt of that shape)."""
+    batch, q_heads, _, head_dim = q.shape
     n = full_k.shape[2]
     budget = n // 8
     sink, local = max(1, budget // 32), max(1, budget // 8)
+    probes = AttentionProbes(batch, q_heads, full_k.shape[1], n, head_dim, PREFIX_BENCH_LAYERS, full_v.dtype,
+                             full_v.device)
     result = {}
     for preset in ("ds", "hshare-1_2-1_2-1_2"):
         config = HShareConfig.from_preset(preset).replace(sink=sink, local=local, heavy=budget - sink - local)
-        row = bench_preset(q, full_k, full_v, config, layers)
-        result[preset] = {"step_us": row["step_us"], "step_graph_us": row["step_graph_us"]}
+        timing = measure_preset(probes, config)
+        result[preset] = {"step_us": timing.step_us, "step_graph_us": timing.step_graph_us}
     return result
 
 

@@ -34,7 +34,7 @@ class SparseReads:
         metadata_token_bytes: bytes of selection metadata per cached token and selection head (labels:
             ``r x bits / 8`` of codes plus a scale and a zero; Quest: the page bounds over the page size).
         sparse_share: share of the decode steps that ran sparse (the rest fell back to dense attention,
-            `HShareConfig.dense_fallback_mib`).
+            `HShareConfig.runtime.dense_fallback_mib`).
     """
 
     sparse_layers: int
@@ -98,10 +98,10 @@ def scorings_per_step(config, sparse_layers: int, sel_heads: int) -> float:
     """(layer, selection head) scorings per row and decode step that a sharing config plans:
     ``sources(a, L_s) x sources(b, H_sel) / query_group`` (`hshare.planner.sources_for_ratio`: round(ratio x
     count), at least 1), 0 without heavy tokens (StreamingLLM scores nothing)."""
-    if not config.heavy:
+    if not config.budget.heavy:
         return 0.0
-    return (sources_for_ratio(config.layer_sharing, sparse_layers) * sources_for_ratio(config.head_sharing, sel_heads)
-            / config.query_group)
+    return (sources_for_ratio(config.sharing.layer, sparse_layers) * sources_for_ratio(config.sharing.head, sel_heads)
+            / config.sharing.query_group)
 
 
 def sparse_reads(config, model_config, element_bytes: int, stats, metadata_bytes: int, rows: int,
@@ -118,13 +118,13 @@ def sparse_reads(config, model_config, element_bytes: int, stats, metadata_bytes
     """
     heads_q, heads_kv = model_config.num_attention_heads, model_config.num_key_value_heads
     head_dim = patches.head_dim(model_config)
-    sel_heads = heads_kv if config.selection == "kv_head" else heads_q
+    sel_heads = heads_kv if config.planner.selection == "kv_head" else heads_q
     layers = model_config.num_hidden_layers
-    sparse_layers = layers - len([i for i in set(config.dense_layers) if i < layers])
+    sparse_layers = layers - len([i for i in set(config.sharing.dense_layers) if i < layers])
     held = rows * columns * sparse_layers * sel_heads
     steps = stats.decode_steps
     return SparseReads(
-        sparse_layers=sparse_layers, budget=config.budget,
+        sparse_layers=sparse_layers, budget=config.budget.total,
         critical_token_bytes=2 * sel_heads * head_dim * element_bytes,
         scorings=scorings_per_step(config, sparse_layers, sel_heads),
         metadata_token_bytes=metadata_bytes / held if held else 0.0,
