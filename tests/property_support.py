@@ -157,6 +157,8 @@ def config_overrides(draw, preset: str, spec: ModelSpec, budget: int | None = No
     out["group_lookahead"] = draw(st.booleans())
     if base.policy.name == "quest":
         out["page_size"] = draw(st.sampled_from([1, 2, 4, 8]))
+    elif base.policy.name == "loki":
+        out["loki_rank"] = draw(st.sampled_from([None, 1, spec.head_dim // 2]))
     else:
         out["label_bits"] = draw(st.sampled_from([4, 8, 16]))
         out["label_channels"] = draw(st.sampled_from([c for c in (2, 8, 16, 32) if c <= spec.head_dim]))
@@ -318,7 +320,7 @@ def stored_prefix(batch: "Batch", config, window: int | None, new_tokens: int) -
     """The prefix ``generate`` holds once for `batch` under `config`: `brute_force_prefix` with
     ``prefix="on"``, and none where a sliding window would drop prefix keys during the generation
     (the batch laid out ``[level 1 | level 2 | gap | own]`` plus the new tokens exceeds it)."""
-    if config.prefix != "on":
+    if config.prefix.mode != "on":
         return None
     expected = brute_force_prefix(batch.prompts, config.prefix.levels)
     if expected is None or window is None:

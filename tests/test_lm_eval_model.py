@@ -117,7 +117,7 @@ def test_evaluate_gsm8k_coqa_multi_news_with_limit_2(tmp_path, monkeypatch):
         assert {"exact_match,strict-match", "exact_match,flexible-extract"} <= set(result.scores["gsm8k"])
         assert {"em,none", "f1,none"} <= set(result.scores["coqa"])
         assert all(0.0 <= v <= 100.0 for task in result.scores.values() for v in task.values())
-        assert result.config["dense_fallback_mib"] == 0.0 and result.limit == 2
+        assert result.config["runtime"]["dense_fallback_mib"] == 0.0 and result.limit == 2
     assert runs["dense"].work["score_computations"] == 0
     sparse = runs["hshare-1_2-1_2-1_2"].work
     assert sparse["decode_steps"] == runs["dense"].work["decode_steps"] > 0

@@ -25,7 +25,7 @@ def test_bundled_sweeps_load_and_cover_the_paper_grid():
                           "query_sharing": ["1/2", "1/4"]}.items():
         for value in values:
             entry = ablation[f"ds@512+{field}={value}"]
-            assert entry.config().__getattribute__(field) == pytest.approx(eval(value))
+            assert getattr(entry.config().sharing, field.removesuffix("_sharing")) == pytest.approx(eval(value))
     paper = [e.name for e in load_sweep("paper").entries]
     assert paper[0] == "dense" and "random-1_2-1_2-1_2@512" in paper and "streaming@512" in paper
 
@@ -101,6 +101,6 @@ def test_evaluation_keeps_explicit_fallbacks_and_resume_tells_fallback_runs_apar
     spec = load_sweep(_write(tmp_path, "configs: [ds, {name: ds-fb, preset: ds, set: {dense_fallback_mib: 64}}]\n"))
     out, calls = tmp_path / "out", []
     records = run_sweep(spec, lambda e: _fake_result(e.name, calls), out, ["gsm8k"], 2)
-    assert [r["identity"]["config"]["dense_fallback_mib"] for r in records] == [0.0, 64.0]
+    assert [r["identity"]["config"]["runtime"]["dense_fallback_mib"] for r in records] == [0.0, 64.0]
     run_sweep(spec, lambda e: _fake_result(e.name, calls), out, ["gsm8k"], 2, dense_fallback=True)
     assert calls == ["ds", "ds-fb", "ds"]  # ds now keeps the device's fallback: another run; ds-fb is the same
