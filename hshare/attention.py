@@ -32,6 +32,7 @@ from hshare.cache import HShareCache, HShareLayer
 from hshare.step import DecodeStep
 from hshare.heads import head_shard
 from hshare.kernels import attention_with_lse, gather_attention, merge_attention_states, split_decode_attention
+from hshare.refine import refine_candidates, select_candidates
 from hshare.selection import NO_TOKEN, select_heavy, valid_columns_from_mask
 from hshare.sparse_prefill import sparse_prefill_attention
 
@@ -79,7 +80,15 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             return _dense_decode(query, key, value, step.valid, scaling), None
         return _decode_attention(cache, layer_idx, query, key, value, step.own_columns, scaling), None
     if step.selecting:
-        _keep_heavy(cache, layer, _select_heavy_columns(cache, step, layer_idx, query))
+        if cache.config.candidate_count:
+            heavy, candidates = _select_candidates(cache, step, layer_idx, query)
+            _keep(cache, layer, "candidates", candidates)
+        else:
+            heavy = _select_heavy_columns(cache, step, layer_idx, query)
+        _keep(cache, layer, "heavy", heavy)
+    elif layer.candidates is not None:  # a reuse step refines the candidates with its own query
+        _keep(cache, layer, "heavy", refine_candidates(layer.policy, query[:, :, 0], layer.candidates,
+                                                       step.windows.middle, cache.config.budget.heavy))
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
         layer.heavy = torch.full((query.shape[0], cache.sel_heads, cache.config.budget.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
@@ -128,15 +137,17 @@ def _dense_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, v
     return split_decode_attention(query[:, :, 0], key, value, valid, scaling)[:, None]
 
 
-def _keep_heavy(cache: HShareCache, layer: HShareLayer, heavy: torch.Tensor) -> None:
-    """Keep a selection's heavy columns ``[B, H_sel, heavy]`` for the query group's reuse steps. With
-    static shapes they are written into the layer's own buffer (a captured reuse step reads it)."""
+def _keep(cache: HShareCache, layer: HShareLayer, name: str, columns: torch.Tensor) -> None:
+    """Keep a selection's heavy columns ``[B, H_sel, heavy]`` (or its candidates ``[B, H_sel, C]``) as the
+    layer's `name` for the query group's reuse steps. With static shapes they are written into the layer's
+    own buffer (a captured reuse step reads it)."""
+    kept = getattr(layer, name)
     if cache.static is None:
-        layer.heavy = heavy
-    elif layer.heavy is None or layer.heavy.shape != heavy.shape:
-        layer.heavy = heavy.clone()
+        setattr(layer, name, columns)
+    elif kept is None or kept.shape != columns.shape:
+        setattr(layer, name, columns.clone())
     else:
-        layer.heavy.copy_(heavy)
+        kept.copy_(columns)
 
 
 def _decode_attention(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
@@ -215,3 +226,59 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
                 heavy = torch.full_like(source, NO_TOKEN)
             heavy[copy_rows] = source[copy_rows]
     return heavy
+
+
+def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, query: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heavy columns ``[B, H_sel, heavy]`` and candidates ``[B, H_sel, C]`` of one layer at a selection step
+    with candidate-set refinement (`HShareConfig.candidates`).
+
+    The rows for which this layer is a source score every column with its source heads and keep their top C
+    as candidates, and the top `heavy` of those as their heavy columns; copying heads take their source
+    head's candidates, copying layers their source layer's, and each refines them with its own query
+    (`hshare.refine.refine_candidates`).
+    """
+    config = cache.config
+    layer = cache.layers[layer_idx]
+    share = step.shares[layer_idx]
+    batch, count = query.shape[0], config.candidate_count
+    decode_query = query[:, :, 0]
+    window = step.windows.selectable
+    heavy = candidates = None
+    rows = share.select_rows
+    if rows is None or len(rows):
+        middle = window if rows is None else window.index_select(0, rows)
+        source_heads, head_slot, copy_heads = share.source_heads, share.head_slot, share.copy_heads
+        if rows is not None and source_heads.shape[0] > 1:
+            source_heads, head_slot = source_heads.index_select(0, rows), head_slot.index_select(0, rows)
+            copy_heads = copy_heads.index_select(0, rows)
+        scores = layer.policy.decode_scores(decode_query, rows=rows, heads=None if share.all_heads else source_heads)
+        chosen, picked = select_candidates(scores, middle, count, config.budget.heavy)
+        if not share.all_heads:  # every head's source candidates; copying heads refine them
+            rows_here = chosen.shape[0]
+            picked = picked.gather(1, head_slot.expand(rows_here, -1)[..., None].expand(-1, -1, count))
+            chosen = chosen.gather(1, head_slot.expand(rows_here, -1)[..., None].expand(-1, -1, config.budget.heavy))
+            copies = copy_heads.expand(rows_here, -1)
+            refined = refine_candidates(layer.policy, decode_query, picked.gather(
+                1, copies[..., None].expand(-1, -1, count)), middle, config.budget.heavy, rows=rows, heads=copy_heads)
+            chosen = chosen.scatter(1, copies[..., None].expand(-1, -1, config.budget.heavy), refined)
+        if rows is None:
+            heavy, candidates = chosen, picked
+        else:
+            heavy = torch.full((batch, cache.sel_heads, config.budget.heavy), NO_TOKEN, dtype=torch.long, device=query.device)
+            candidates = torch.full((batch, cache.sel_heads, count), NO_TOKEN, dtype=torch.long, device=query.device)
+            heavy[rows], candidates[rows] = chosen, picked
+    for source_layer, copy_rows in share.copy_groups:
+        source = cache.layers[source_layer].candidates
+        if copy_rows is None:
+            candidates = source
+            heavy = refine_candidates(layer.policy, decode_query, source, window, config.budget.heavy)
+        else:
+            if heavy is None:
+                heavy = torch.full((batch, cache.sel_heads, config.budget.heavy), NO_TOKEN, dtype=torch.long,
+                                   device=query.device)
+                candidates = torch.full_like(source, NO_TOKEN)
+            candidates[copy_rows] = source[copy_rows]
+            heavy[copy_rows] = refine_candidates(layer.policy, decode_query, source[copy_rows],
+                                                 window.index_select(0, copy_rows), config.budget.heavy, rows=copy_rows)
+    return heavy, candidates

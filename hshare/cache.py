@@ -44,6 +44,8 @@ class HShareLayer(CacheLayerMixin):
         policy: the layer's selection-policy metadata (`hshare.policy.SelectionPolicy`; sparse layers,
             after prefill).
         heavy: ``[B, H_sel, heavy]`` heavy columns of the last selection (query groups reuse them).
+        candidates: ``[B, H_sel, C]`` candidate columns of the last selection, which reusing layers, heads
+            and steps refine (`HShareConfig.candidates`; None without refinement).
         prefix_width: columns held by the cache's shared-prefix store before this layer's own
             columns (counted in the sequence length transformers sees).
         column: static shapes: ``[1]`` int64 device tensor, the column the decode token is written
@@ -64,6 +66,7 @@ class HShareLayer(CacheLayerMixin):
         self.value_buffer = GrowingBuffer(reserve)
         self.policy: SelectionPolicy | None = None
         self.heavy: torch.Tensor | None = None
+        self.candidates: torch.Tensor | None = None
         self.prefix_width = 0
         self.column: torch.Tensor | None = None
 
@@ -106,6 +109,8 @@ class HShareLayer(CacheLayerMixin):
             self.policy.select_rows(rows)
         if self.heavy is not None:
             self.heavy = self.heavy.index_select(0, rows.to(self.heavy.device))
+        if self.candidates is not None:
+            self.candidates = self.candidates.index_select(0, rows.to(self.candidates.device))
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -119,7 +124,7 @@ class HShareLayer(CacheLayerMixin):
         self.keys, self.values = self.key_buffer.view(), self.value_buffer.view()
         if self.policy is not None:
             self.policy.crop(length)
-        self.heavy = None  # selections may point past the cropped end: select again
+        self.heavy = self.candidates = None  # selections may point past the cropped end: select again
 
     def reset(self) -> None:
         self.__init__(self.reserve)
@@ -236,7 +241,7 @@ class HShareCache(Cache):
     def drop_selections(self) -> None:
         """Forget every layer's heavy columns (a prefill invalidates them)."""
         for layer in self.layers:
-            layer.heavy = None
+            layer.heavy = layer.candidates = None
 
     def drop_policies(self) -> None:
         """Forget every layer's selection metadata (a generation decoded densely throughout needs none)."""

@@ -46,7 +46,7 @@ import yaml
 
 SELECTION_GRANULARITIES = ("kv_head", "query_head")
 PLAN_SCOPES = ("batch", "sample")
-PLANNERS = ("greedy", "random")
+PLANNERS = ("greedy", "random", "auto")
 PREFIX_MODES = ("auto", "on", "off")
 # On CUDA, the K/V reads per layer a sparse step must save over a dense one to be faster
 # (`RuntimeConfig.sparse_min_saved_bytes`): replayed as CUDA graphs, and eager (host launch cost per
@@ -152,6 +152,12 @@ class SharingConfig:
             the next selection. False = the paper's code (those tokens are never candidates until
             the next selection). Same work either way.
         dense_layers: layers kept dense at decode (not sparse, not in the layer plan).
+        candidates: candidate-set refinement, as C / heavy. 1 = off: a reusing step, head or layer
+            takes its source's heavy columns as they are (the paper). Above 1, a selecting head keeps
+            its top C = round(candidates x heavy) selectable columns as a candidate set that the
+            heads, layers and steps reusing its selection share; each of them refines the set to its
+            own top `heavy` by scoring only the candidates' metadata with its own query
+            (`hshare.refine`, `SelectionPolicy.candidate_scores`).
     """
 
     layer: float = 1.0
@@ -159,6 +165,7 @@ class SharingConfig:
     query: float = 1.0
     lookahead: bool = False
     dense_layers: tuple[int, ...] = ()
+    candidates: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("layer", "head", "query"):
@@ -178,6 +185,11 @@ class SharingConfig:
             raise ConfigError(f"HShareConfig.sharing.dense_layers = {list(layers)} repeats a layer; accepted: distinct "
                               "indices")
         _set(self, "dense_layers", layers)
+        if isinstance(self.candidates, bool) or not isinstance(self.candidates, (int, float)) \
+                or not 1.0 <= self.candidates <= 64.0:
+            raise ConfigError(f"HShareConfig.sharing.candidates = {self.candidates!r} is invalid; accepted: a number "
+                              "in [1, 64], C / heavy (1 = no refinement)")
+        _set(self, "candidates", float(self.candidates))
 
     @property
     def query_group(self) -> int:
@@ -197,9 +209,15 @@ class PlannerConfig:
         selection: "kv_head" (one selection per KV head, read once by its g query heads) or
             "query_head" (one per query head, as the paper's code). Same for MHA.
         scope: "batch" (one plan for the batch, the paper's statement) or "sample".
-        method: "greedy" (Algorithm 1) or "random" (the paper's ablation, same ratios).
+        method: "greedy" (Algorithm 1) or "random" (the paper's ablation, same ratios), or "auto":
+            Algorithm 1 that shares only where the prefill evidence is similar enough: a head or layer
+            copies another while the most similar remaining pair reaches `similarity`, so each layer
+            gets its own head sharing and the layer sharing follows the evidence; the sharing ratios
+            then bound how far it may share (at least that share of layers and heads still selects).
         rows: last prefill query rows whose keep-sets are the planner's evidence.
         seed: seed of the random planner.
+        similarity: the "auto" planner's target in [0, 1]: the least evidence similarity (`hshare.planner`:
+            the share of a node's keep-set its source keeps) at which a pair shares.
     """
 
     selection: str = "kv_head"
@@ -207,6 +225,7 @@ class PlannerConfig:
     method: str = "greedy"
     rows: int = 4
     seed: int = 0
+    similarity: float = 0.8
 
     def __post_init__(self) -> None:
         check_choice("planner.selection", self.selection, SELECTION_GRANULARITIES)
@@ -214,6 +233,11 @@ class PlannerConfig:
         check_choice("planner.method", self.method, PLANNERS)
         check_int("planner.rows", self.rows, 1, 256)
         check_int("planner.seed", self.seed, 0)
+        if isinstance(self.similarity, bool) or not isinstance(self.similarity, (int, float)) \
+                or not 0.0 <= self.similarity <= 1.0:
+            raise ConfigError(f"HShareConfig.planner.similarity = {self.similarity!r} is invalid; accepted: a number "
+                              "in [0, 1]")
+        _set(self, "similarity", float(self.similarity))
 
 
 @dataclass(frozen=True)
@@ -330,8 +354,9 @@ OPTION_NAMES: dict[str, tuple[str, str]] = {
     "sink": ("budget", "sink"), "local": ("budget", "local"), "heavy": ("budget", "heavy"),
     "layer_sharing": ("sharing", "layer"), "head_sharing": ("sharing", "head"), "query_sharing": ("sharing", "query"),
     "group_lookahead": ("sharing", "lookahead"), "dense_layers": ("sharing", "dense_layers"),
+    "candidates": ("sharing", "candidates"),
     "selection": ("planner", "selection"), "plan_scope": ("planner", "scope"), "planner": ("planner", "method"),
-    "plan_rows": ("planner", "rows"), "seed": ("planner", "seed"),
+    "plan_rows": ("planner", "rows"), "seed": ("planner", "seed"), "share_similarity": ("planner", "similarity"),
     "policy": ("policy", "name"),
     "prefix": ("prefix", "mode"), "prefix_min_tokens": ("prefix", "min_tokens"),
     "prefix_min_batch": ("prefix", "min_batch"), "prefix_min_saved_tokens": ("prefix", "min_saved_tokens"),
@@ -473,6 +498,13 @@ class HShareConfig:
             )
 
     # ---- derived quantities -------------------------------------------------------------
+    @property
+    def candidate_count(self) -> int:
+        """C: candidates a selecting head keeps for the heads, layers and steps that refine its selection
+        (0 = no refinement: `SharingConfig.candidates` is 1, or nothing is heavy)."""
+        count = int(round(self.sharing.candidates * self.budget.heavy))
+        return count if count > self.budget.heavy else 0
+
     @property
     def shares_prefix(self) -> bool:
         """Whether ``generate`` looks for a shared prompt prefix (never with sparse prefill)."""

@@ -27,11 +27,14 @@ class DecodeStats:
         dense_fallback_steps: decode steps run densely because the KV was too small for sparse
             attention to pay (`HShareConfig.runtime.dense_fallback_mib`).
         selection_steps: decode steps that (re)selected critical tokens (query groups).
-        score_computations: (row, layer, selection head) scorings done (label or page scores).
+        score_computations: (row, layer, selection head) scorings done (label or page scores) of every
+            cached column.
+        refinements: (row, layer, selection head) candidate-set refinements done (`HShareConfig.candidates`):
+            scorings of a shared candidate set only.
         plans: sharing plans built (one per generate when layers or heads share).
         scored_tokens: tokens whose approximate score was computed (labels policy): summed over
             scorings, the label-cache length n of the layer at that step (every cached own column
-            of the row is scored, left padding included).
+            of the row is scored, left padding included), and over refinements the C candidates.
         scored_pages: the same for the Quest policy: summed over scorings, the page slots of the
             layer's page cache at that step.
         kv_rows_read: K/V token rows read by decode attention, summed over (row, layer, KV-head
@@ -53,6 +56,7 @@ class DecodeStats:
     dense_fallback_steps: int = 0
     selection_steps: int = 0
     score_computations: int = 0
+    refinements: int = 0
     plans: int = 0
     scored_tokens: int = 0
     scored_pages: int = 0

@@ -18,7 +18,8 @@ import torch
 
 from hshare.channels import dynamic_channels, resolve_calibration
 from hshare.config import ConfigError, HShareConfig, PolicyConfig, check_choice, check_int
-from hshare.kernels import append_labels, decode_label_scores, label_scores, label_storage_dtype, query_labels
+from hshare.kernels import (append_labels, candidate_label_scores, decode_label_scores, label_scores,
+                            label_storage_dtype, query_labels)
 from hshare.policy import SelectionPolicy, register_policy
 
 if TYPE_CHECKING:
@@ -186,3 +187,10 @@ class LabelCache(SelectionPolicy):
         """
         return decode_label_scores(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
                                    self.bits, rows, heads)
+
+    def candidate_scores(self, query: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | None = None,
+                         heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Approximate logits ``[B', H', C]`` of candidate columns ``[B', H', C]`` only (their label rows are
+        read, nothing else; `kernels.candidate_label_scores`), as `decode_scores` scores them."""
+        return candidate_label_scores(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
+                                      self.bits, columns, rows, heads)

@@ -77,12 +77,15 @@ def layer_overlaps(keep_layer: torch.Tensor, keep_earlier: list[torch.Tensor], n
     return (overlap / size).mean(dim=(2, 3)).transpose(0, 1)
 
 
-def greedy_sharing(similarity: torch.Tensor, copies: int) -> torch.Tensor:
+def greedy_sharing(similarity: torch.Tensor, copies: int, threshold: float | None = None) -> torch.Tensor:
     """Algorithm 1 with chain resolution, batched over leading dims.
 
     Args:
         similarity: ``[..., N, N]``; only entries (i, j) with j < i are used.
         copies: k, the number of nodes that copy another (0 <= k <= N - 1).
+        threshold: when given (the "auto" planner), at most `copies` nodes copy: the greedy stops at the
+            first pair below `threshold` in any of the leading dims, so every one takes the same number of
+            copies (one host sync per pair taken).
 
     Returns:
         ``[..., N]`` int64 source of each node (itself for a source); always a source, and
@@ -99,7 +102,9 @@ def greedy_sharing(similarity: torch.Tensor, copies: int) -> torch.Tensor:
     source = torch.arange(size, device=device).repeat(scores.shape[0], 1)
     rows = torch.arange(scores.shape[0], device=device)
     for _ in range(copies):
-        flat = scores.flatten(1).argmax(-1)
+        best, flat = scores.flatten(1).max(-1)
+        if threshold is not None and bool((best < threshold).any()):
+            break
         copier, target = flat // size, flat % size
         source[rows, copier] = target
         scores[rows, copier, :] = EMPTY
@@ -142,7 +147,8 @@ def identity_plan(num_layers: int, heads: int, device: torch.device) -> SharingP
 
 def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Tensor], sparse_layers: list[int],
                num_layers: int, heads: int, layer_ratio: float, head_ratio: float, per_sample: bool, batch: int,
-               device: torch.device, random_generator: torch.Generator | None = None) -> SharingPlan:
+               device: torch.device, random_generator: torch.Generator | None = None,
+               threshold: float | None = None) -> SharingPlan:
     """Plan layer and head sharing from prefill evidence.
 
     Args:
@@ -153,6 +159,8 @@ def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Ten
         per_sample: plan each row separately instead of summing the evidence over the batch.
         random_generator: when given, the evidence is ignored and similarities are random numbers
             (the paper's random-sharing ablation: same ratios and constraints).
+        threshold: the "auto" planner's similarity target: the ratios bound the copies, and a pair below
+            it never shares (`greedy_sharing`); head sharing is then chosen per layer.
     """
     planes = batch if per_sample else 1
 
@@ -172,7 +180,11 @@ def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Ten
             stacked = random_like((len(sparse_layers), planes, heads, heads))
         else:
             stacked = torch.stack([reduce(head_sim[layer]) for layer in sparse_layers])  # [Ls, P, H, H]
-        head_source[sparse_layers] = greedy_sharing(stacked, head_copies)
+        if threshold is None:
+            head_source[sparse_layers] = greedy_sharing(stacked, head_copies)
+        else:  # each layer its own count of copying heads
+            for position, layer in enumerate(sparse_layers):
+                head_source[layer] = greedy_sharing(stacked[position], head_copies, threshold)
 
     count = len(sparse_layers)
     layer_copies = count - sources_for_ratio(layer_ratio, count)
@@ -183,7 +195,7 @@ def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Ten
             matrix = torch.zeros(planes, count, count, device=device)
             for position, layer in enumerate(sparse_layers[1:], start=1):
                 matrix[:, position, :position] = reduce(layer_sim[layer])
-        local_source = greedy_sharing(matrix, layer_copies)  # positions in sparse_layers
+        local_source = greedy_sharing(matrix, layer_copies, threshold)  # positions in sparse_layers
         layer_ids = torch.tensor(sparse_layers, device=device)
         layer_source[:, layer_ids] = layer_ids[local_source]
     return SharingPlan(layer_source=layer_source, head_source=head_source)

@@ -62,7 +62,8 @@ class SelectionPolicy(ABC):
 
     What the base class keeps: ``sel_heads`` (H_sel), ``kv_heads`` (Hkv), `length` (columns the
     metadata covers) and ``frozen_width`` (the reserved columns while static shapes are on, else
-    None). `supports_static` is True exactly when the subclass implements `write`.
+    None). `supports_static` is True exactly when the subclass implements `write`, `scores_candidates`
+    exactly when it implements `candidate_scores` (then a refinement scores C units, else every one).
     """
 
     name: ClassVar[str] = ""
@@ -73,10 +74,12 @@ class SelectionPolicy(ABC):
     row_tensors: ClassVar[tuple[str, ...]] = ()
     row_or_shared_tensors: ClassVar[tuple[str, ...]] = ()
     supports_static: ClassVar[bool] = False
+    scores_candidates: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         cls.supports_static = cls.write is not SelectionPolicy.write
+        cls.scores_candidates = cls.candidate_scores is not SelectionPolicy.candidate_scores
         if cls.slot_buffers and cls.slots is SelectionPolicy.slots:
             raise TypeError(f"{cls.__name__} declares slot_buffers {cls.slot_buffers} but no slots(columns); "
                             "accepted: a slots() override mapping columns to slots, or column_buffers only")
@@ -136,6 +139,16 @@ class SelectionPolicy(ABC):
                       heads: torch.Tensor | None = None) -> torch.Tensor:
         """Token scores ``[B', H', n]`` for the decode query ``[B, Hq, d]`` of rows ``[B']`` (None =
         all) and selection heads ``[B' or 1, H']`` (None = all H_sel): only those are computed."""
+
+    def candidate_scores(self, query: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | None = None,
+                         heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores ``[B', H', C]`` of candidate columns ``[B', H', C]`` (negative entries: any value, the caller
+        masks them) for the decode query ``[B, Hq, d]`` of rows ``[B']`` (None = all) and selection heads
+        ``[B' or 1, H']`` (None = all H_sel): candidate-set refinement (`HShareConfig.candidates`). Ranked as
+        `decode_scores` ranks the same columns. The default scores every column and gathers the candidates
+        (correct, not cheaper: the counters then count every unit); a policy that reads only the
+        candidates' metadata overrides it (`scores_candidates`)."""
+        return self.decode_scores(query, rows, heads).gather(-1, columns.clamp(min=0))
 
     def write(self, column: torch.Tensor, keys: torch.Tensor) -> None:
         """Static shapes: the metadata of the key at the column held in the ``[1]`` int64 device

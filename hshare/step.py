@@ -60,6 +60,8 @@ class LayerShare:
         copy_groups: ``(source layer, rows or None = all)`` whose heavy columns this layer copies.
         source_heads: ``[P, n_src]`` selection heads that compute scores.
         head_slot: ``[P, H_sel]`` position in `source_heads` of each head's source.
+        copy_heads: ``[P, H_sel - n_src]`` the heads that copy another (candidate-set refinement refines
+            their source's candidates).
         all_heads: every head is a source (no head sharing): no head gathers needed.
     """
 
@@ -67,12 +69,20 @@ class LayerShare:
     copy_groups: tuple[tuple[int, torch.Tensor | None], ...]
     source_heads: torch.Tensor
     head_slot: torch.Tensor
+    copy_heads: torch.Tensor
     all_heads: bool
 
     def scorings(self, batch: int) -> int:
         """(row, selection head) scorings this layer computes at a selection step of `batch` rows."""
         rows = batch if self.select_rows is None else len(self.select_rows)
         return rows * self.source_heads.shape[1]
+
+    def refinements(self, batch: int) -> int:
+        """(row, selection head) candidate refinements this layer computes at a selection step of `batch`
+        rows (`HShareConfig.candidates`): the copying heads of its selecting rows, every head of its
+        copying rows."""
+        rows = batch if self.select_rows is None else len(self.select_rows)
+        return rows * self.copy_heads.shape[1] + (batch - rows) * (self.source_heads.shape[1] + self.copy_heads.shape[1])
 
 
 @dataclass(frozen=True)
@@ -170,7 +180,7 @@ class StepPlanner:
     decision: str = ""
     current: DecodeStep | None = None
     planned: StepPlan | None = None
-    _select_scorings: tuple[int, int] | None = field(default=None, repr=False)
+    _select_scorings: tuple[int, int, int, int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         dense = set(self.config.sharing.dense_layers)
@@ -185,7 +195,8 @@ class StepPlanner:
     @property
     def collects_evidence(self) -> bool:
         """Whether prefill records keep-sets (only when a greedy plan will use them)."""
-        return bool(self.sparse_layers) and self.config.sharing.shares_layers_or_heads and self.config.planner.method == "greedy"
+        return (bool(self.sparse_layers) and self.config.sharing.shares_layers_or_heads
+                and self.config.planner.method != "random")
 
     def earlier_keep_sets(self, layer: int) -> list[torch.Tensor]:
         return [self.keep[i] for i in self.sparse_layers if i < layer and i in self.keep]
@@ -225,7 +236,7 @@ class StepPlanner:
         """After a forward: the prefill's selection metadata (built now that the forward's activations
         are freed) and the host count of a selection step's scorings (a replayed graph ran no Python)."""
         self.finish_prefill(cache)
-        if self.planned is not None and self.planned.kind == "select":
+        if self.planned is not None and self.planned.kind != "dense":
             self._count_scorings(cache, self.planned)
         self.planned, self.forward = None, None
 
@@ -325,7 +336,7 @@ class StepPlanner:
             plan = build_plan(
                 self.head_similarity, self.layer_similarity, self.sparse_layers, self.num_layers, cache.sel_heads,
                 config.sharing.layer, config.sharing.head, config.planner.scope == "sample", batch, cache.storage_device,
-                generator,
+                generator, config.planner.similarity if config.planner.method == "auto" else None,
             )
             self.counts.plans += 1
         self.head_similarity, self.layer_similarity, self.keep = {}, {}, {}
@@ -356,32 +367,46 @@ class StepPlanner:
             is_source = head_src == heads  # [P, H]
             source_heads = heads.expand_as(head_src)[is_source].reshape(len(head_src), -1)  # same count per row
             slot = torch.searchsorted(source_heads.contiguous(), head_src.contiguous())
+            copy_heads = heads.expand_as(head_src)[~is_source].reshape(len(head_src), -1)
             shares[layer] = LayerShare(
                 select_rows=select_rows,
                 copy_groups=copy_groups,
                 source_heads=source_heads.to(device),
                 head_slot=slot.to(device),
+                copy_heads=copy_heads.to(device),
                 all_heads=bool(is_source.all()),
             )
         self.shares = shares
-        self._select_scorings = None  # (rows, scorings of a selection step), summed at the first one
+        self._select_scorings = None  # (rows, scorings and refinements of a selection step, refinements of a
+        # reuse step), summed at the first sparse step
 
     def _count_scorings(self, cache: HShareCache, plan: StepPlan) -> None:
-        """Host counters of a selection step: (row, layer, head) scorings and the units they scored, in the
-        policy's own unit (`SelectionPolicy.unit`; `SelectionPolicy.scored_units` after the step's token,
-        the same for every sparse layer). O(1): the scorings of a selection step are summed per plan."""
-        if self._select_scorings is None or self._select_scorings[0] != cache.rows:
-            rows = cache.rows
-            self._select_scorings = (rows, sum(share.scorings(rows) for share in plan.shares.values()))
-        scorings = self._select_scorings[1]
-        if not scorings:
+        """Host counters of a sparse step: (row, layer, head) scorings and candidate refinements, and the
+        units they scored, in the policy's own unit (`SelectionPolicy.unit`; a scoring scores
+        `SelectionPolicy.scored_units` after the step's token, the same for every sparse layer; a refinement
+        C units, or every unit for a policy without `SelectionPolicy.candidate_scores`). O(1): the work of
+        a step of each kind is summed per plan."""
+        rows, count = cache.rows, self.config.candidate_count
+        if self._select_scorings is None or self._select_scorings[0] != rows:
+            shares = plan.shares.values()
+            self._select_scorings = (rows, sum(share.scorings(rows) for share in shares),
+                                     sum(share.refinements(rows) for share in shares) if count else 0,
+                                     rows * cache.sel_heads * len(plan.shares) if count else 0)
+        if plan.kind == "select":
+            scorings, refinements = self._select_scorings[1:3]
+        else:
+            scorings, refinements = 0, self._select_scorings[3]
+        if not scorings and not refinements:
             return
         policy = cache.layers[self.sparse_layers[0]].policy
+        units = policy.scored_units()
         self.counts.score_computations += scorings
+        self.counts.refinements += refinements
+        scored = scorings * units + refinements * (count if policy.scores_candidates else units)
         if policy.unit == "pages":
-            self.counts.scored_pages += scorings * policy.scored_units()
+            self.counts.scored_pages += scored
         else:
-            self.counts.scored_tokens += scorings * policy.scored_units()
+            self.counts.scored_tokens += scored
 
     # ---- storage changes ------------------------------------------------------------------
     def select_rows(self, cache: HShareCache, rows: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ from .channel_statistic import channel_statistic, channel_statistic_torch
 from .critical_indices import NO_TOKEN, critical_indices, critical_indices_torch
 from .heavy_topk import select_heavy, select_heavy_torch
 from .gather_attention import gather_attention, gather_attention_torch
-from .labels import append_labels, decode_label_scores, dequantize_labels, label_scores, label_storage_dtype, \
+from .labels import append_labels, candidate_label_scores, decode_label_scores, dequantize_labels, label_scores, label_storage_dtype, \
     quantize_labels, query_labels, score_heads
 from .merge import merge_attention_splits, merge_attention_states
 from .prefix_attention import attention_with_lse, attention_with_lse_torch, shared_prefix_attention, \
@@ -27,6 +27,7 @@ __all__ = [
     "append_labels",
     "attention_with_lse",
     "attention_with_lse_torch",
+    "candidate_label_scores",
     "decode_label_scores",
     "dequantize_labels",
     "gather_attention",

@@ -208,3 +208,33 @@ def decode_label_scores(query: torch.Tensor, channels: torch.Tensor, codes: torc
         picks = heads.expand(labels.shape[0], -1)[..., None].expand(-1, -1, labels.shape[-1])
         labels = labels.gather(1, picks)
     return score_heads(labels, codes, scale, zero, bits, rows, heads)
+
+
+def candidate_label_scores(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
+                           scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int, columns: torch.Tensor,
+                           rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode-step label scores of candidate columns only (candidate-set refinement): the label rows of
+    `columns` are read, nothing else of the cache.
+
+    Args:
+        query: ``[B, Hq, d]`` the decode query of every row.
+        channels: ``[P, H_sel, r]`` heavy channels.
+        codes, scale, zero, bits: the whole label cache (`score_heads`).
+        columns: ``[B', H', C]`` candidate columns per (row, head); ``NO_TOKEN`` (any negative) entries
+            are scored as column 0 (the caller masks them).
+        rows: ``[B']`` batch rows (None = all); heads: ``[B' or 1, H']`` selection heads (None = all).
+
+    Returns:
+        ``[B', H', C]`` fp32 scores (fp64 for fp64 queries). One gather of the candidates' label rows
+        (no Triton kernel: C rows per head are few).
+    """
+    labels = query_labels(query[:, :, None], channels)[:, :, 0]  # [B, H_sel, r]
+    count, width = columns.shape[0], columns.shape[1]
+    device = columns.device
+    row_index = (torch.arange(count, device=device) if rows is None else rows)[:, None, None]
+    head_index = (torch.arange(width, device=device)[None] if heads is None else heads.expand(count, -1))[..., None]
+    picks = (row_index, head_index, columns.clamp(min=0))  # [B', H', C] each (broadcast)
+    keys = dequantize_labels(codes[picks], None if scale is None else scale[picks],
+                             None if zero is None else zero[picks], bits, labels.dtype)  # [B', H', C, r]
+    labels = labels[row_index[..., 0], head_index[..., 0]]  # [B', H', r]
+    return (keys @ labels[..., None])[..., 0]

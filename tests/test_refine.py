@@ -1,0 +1,292 @@
+"""Candidate-set refinement (`HShareConfig.candidates`, `hshare.refine`) against brute force: a reusing step,
+head or layer keeps the top `heavy` of its own label scores restricted to its source's candidates, with
+the sink and local windows; the counters count the candidate rows it scores."""
+
+import pytest
+import torch
+
+import hshare
+import hshare.attention as attention_module
+from hshare import static_decode
+from hshare.config import ConfigError, HShareConfig
+from hshare.kernels import candidate_label_scores, decode_label_scores, quantize_labels
+from hshare.refine import refine_candidates, select_candidates
+from hshare.selection import NO_TOKEN
+
+from conftest import greedy, left_pad, left_padded, tiny_llama
+
+SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12
+LENGTHS = [40, 27, 51]
+NEW = 10
+
+
+def _label_cache(batch=3, sel_heads=2, kv_heads=2, q_heads=4, n=30, dim=16, r=8, bits=4, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, kv_heads, n, dim, generator=generator)
+    channels = torch.stack([torch.randperm(dim, generator=generator)[:r] for _ in range(sel_heads)])[None]
+    kv_of_sel = torch.arange(sel_heads) * kv_heads // sel_heads
+    picked = keys[:, kv_of_sel].gather(-1, channels[:, :, None].expand(batch, -1, n, -1))
+    codes, scale, zero = quantize_labels(picked, bits)
+    query = torch.randn(batch, q_heads, dim, generator=generator)
+    return query, channels, codes, scale, zero, bits
+
+
+def _as_set(columns):
+    return {int(c) for c in columns if c >= 0}
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_candidate_scores_equal_the_full_scores_at_the_candidates(bits):
+    query, channels, codes, scale, zero, bits = _label_cache(bits=bits)
+    full = decode_label_scores(query, channels, codes, scale, zero, bits)  # [B, H, n]
+    columns = torch.randint(0, full.shape[-1], (3, 2, 7))
+    got = candidate_label_scores(query, channels, codes, scale, zero, bits, columns)
+    torch.testing.assert_close(got, full.gather(-1, columns))
+    rows, heads = torch.tensor([2, 0]), torch.tensor([[1], [0]])  # per-row heads
+    full = decode_label_scores(query, channels, codes, scale, zero, bits, rows, heads)
+    columns = torch.randint(0, full.shape[-1], (2, 1, 5))
+    got = candidate_label_scores(query, channels, codes, scale, zero, bits, columns, rows, heads)
+    torch.testing.assert_close(got, full.gather(-1, columns))
+
+
+def test_select_candidates_is_the_top_c_and_its_top_heavy():
+    scores = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(3))
+    window = torch.zeros(2, 40, dtype=torch.bool)
+    window[0, 5:30], window[1, 2:9] = True, True  # row 1: fewer selectable columns than C
+    heavy, candidates = select_candidates(scores, window, 10, 4)
+    for b in range(2):
+        for h in range(3):
+            allowed = window[b].nonzero().flatten()
+            ranked = allowed[scores[b, h, allowed].argsort(descending=True)].tolist()
+            assert _as_set(candidates[b, h]) == set(ranked[:10])
+            assert _as_set(heavy[b, h]) == set(ranked[:4])
+    assert (candidates[1] == NO_TOKEN).sum() == 3 * 3
+
+
+def test_refinement_is_the_brute_force_top_k_within_the_candidates():
+    class Policy:  # scores by a fixed table: brute force is a sort of the table
+        def candidate_scores(self, query, columns, rows=None, heads=None):
+            table = self.table if rows is None else self.table[rows]
+            if heads is not None:
+                table = table.gather(1, heads.expand(table.shape[0], -1)[..., None].expand(-1, -1, table.shape[-1]))
+            return table.gather(-1, columns.clamp(min=0))
+
+    policy = Policy()
+    generator = torch.Generator().manual_seed(5)
+    policy.table = torch.randn(3, 2, 50, generator=generator)
+    candidates = torch.stack([torch.randperm(50, generator=generator)[:12] for _ in range(6)]).reshape(3, 2, 12)
+    candidates[2, 1, 9:] = NO_TOKEN
+    window = torch.rand(3, 50, generator=generator) > 0.3
+    refined = refine_candidates(policy, None, candidates, window, 5)
+    for b in range(3):
+        for h in range(2):
+            inside = [int(c) for c in candidates[b, h] if c >= 0 and window[b, c]]
+            ranked = sorted(inside, key=lambda c: -float(policy.table[b, h, c]))
+            assert _as_set(refined[b, h]) == set(ranked[:5])
+            assert (refined[b, h] >= 0).sum() == min(5, len(inside))
+    rows, heads = torch.tensor([1, 2]), torch.tensor([[1]])
+    refined = refine_candidates(policy, None, candidates[rows][:, 1:], window[rows], 5, rows=rows, heads=heads)
+    for i, b in enumerate(rows.tolist()):
+        inside = [int(c) for c in candidates[b, 1] if c >= 0 and window[b, c]]
+        ranked = sorted(inside, key=lambda c: -float(policy.table[b, 1, c]))
+        assert _as_set(refined[i, 0]) == set(ranked[:5])
+
+
+def test_config():
+    assert HShareConfig(heavy=88, candidates=2).candidate_count == 176
+    assert HShareConfig(heavy=88).candidate_count == 0  # off
+    assert HShareConfig(heavy=0, local=40, candidates=2).candidate_count == 0  # nothing to refine
+    for bad in (0.5, True, "2", 100):
+        with pytest.raises(ConfigError, match="candidates"):
+            HShareConfig(candidates=bad)
+    assert HShareConfig.from_preset("hshare-refine").sharing.candidates > 1
+
+
+def _prompts(prefix: str):
+    """Left-padded random prompts; with a shared prefix of 30 tokens when `prefix` is "on"."""
+    generator = torch.Generator().manual_seed(1)
+    if prefix == "off":
+        return left_padded(LENGTHS, generator)
+    shared = torch.randint(3, 160, (30,), generator=generator)
+    return left_pad([torch.cat((shared, torch.randint(3, 160, (n,), generator=generator))) for n in (20, 33, 26)])
+
+
+def _record(monkeypatch) -> list[dict]:
+    """What every sparse decode layer attends: its query, step, plan, selection and critical indices."""
+    seen = []
+    real_decode = attention_module._decode_attention
+
+    def decode(cache, layer_idx, query, key, value, indices, scaling):
+        layer, step = cache.layers[layer_idx], cache.planner.current
+        seen.append(dict(layer=layer_idx, query=query[:, :, 0].clone(), kind=step.kind, windows=step.windows,
+                         share=step.shares[layer_idx], policy=layer.policy, indices=indices.clone(),
+                         heavy=layer.heavy.clone(), candidates=layer.candidates.clone()))
+        return real_decode(cache, layer_idx, query, key, value, indices, scaling)
+
+    monkeypatch.setattr(attention_module, "_decode_attention", decode)
+    return seen
+
+
+@pytest.mark.parametrize("preset,prefix,overrides", [
+    ("hshare-1_2-1_2-1_2", "off", {}),
+    ("ds", "off", {}),
+    ("hshare-1_2-1_2-1_2", "off", dict(plan_scope="sample", group_lookahead=True)),
+    ("hshare-1_2-1_2-1_2", "on", {}),
+])
+def test_every_reusing_layer_head_and_step_refines_with_its_own_query(monkeypatch, preset, prefix, overrides):
+    """Brute force, per decode forward: a source (layer, head) at a selection step keeps the top C of its full
+    label scores as candidates and the top `heavy` as heavy columns; a copying head or layer holds its
+    source's candidates; every other (reuse steps, copying heads and layers) keeps the top `heavy` of its own
+    query's full label scores among its candidates in the window; the attended indices are the sink, those
+    heavy columns still in the middle window, and the local window."""
+    model = tiny_llama(kv_heads=2, layers=4, heads=4)
+    ids, mask = _prompts(prefix)
+    seen = _record(monkeypatch)
+    with hshare.patched(model, preset, candidates=2, query_sharing="1/2", dense_fallback_mib=0, prefix=prefix,
+                        **SMALL, **overrides):
+        cache = hshare.new_cache(model)
+        greedy(model, ids, mask, new_tokens=NEW, past_key_values=cache)
+    assert (cache.prefix is not None) == (prefix == "on")
+    heavy, count = SMALL["heavy"], 12
+    checked = {"select": 0, "reuse": 0, "copied": 0}
+    forward = {}
+    for entry in seen:
+        if entry["layer"] in forward:
+            forward = {}
+        forward[entry["layer"]] = entry
+        policy, windows, share = entry["policy"], entry["windows"], entry["share"]
+        full = policy.decode_scores(entry["query"])  # [B, H, n]
+        selecting = entry["kind"] == "select"
+        window = windows.selectable if selecting else windows.middle
+        selects = torch.zeros(full.shape[0], dtype=torch.bool)
+        if selecting:
+            selects[:] = share.select_rows is None
+            if share.select_rows is not None:
+                selects[share.select_rows] = True
+            for source, rows in share.copy_groups:  # a copying layer holds its source layer's candidates
+                rows = slice(None) if rows is None else rows
+                assert torch.equal(entry["candidates"][rows], forward[source]["candidates"][rows])
+        for b in range(full.shape[0]):
+            plane = b if share.source_heads.shape[0] > 1 else 0
+            for h in range(full.shape[1]):
+                candidates = entry["candidates"][b, h]
+                head_source = int(share.source_heads[plane][share.head_slot[plane][h]])
+                source_layer = bool(selects[b])
+                if source_layer and head_source == h:
+                    allowed = window[b].nonzero().flatten()
+                    ranked = allowed[full[b, h, allowed].argsort(descending=True)].tolist()
+                    assert _as_set(candidates) == set(ranked[:count])
+                    expected = set(ranked[:heavy])
+                    checked["select"] += 1
+                else:
+                    if source_layer:  # a copying head holds its source head's candidates
+                        assert torch.equal(candidates, entry["candidates"][b, head_source])
+                    inside = [int(c) for c in candidates if c >= 0 and window[b, c]]
+                    ranked = sorted(inside, key=lambda c: -float(full[b, h, c]))
+                    expected = set(ranked[:heavy])
+                    checked["copied" if selecting else "reuse"] += 1
+                assert _as_set(entry["heavy"][b, h]) == expected
+                if not windows.short[b]:
+                    middle = windows.middle[b]
+                    want = _as_set(windows.sink[b]) | _as_set(windows.local[b]) | {c for c in expected if middle[c]}
+                    assert _as_set(entry["indices"][b, h]) == want
+    assert checked["select"] and checked["reuse"]
+    assert bool(checked["copied"]) == (preset != "ds")
+
+
+def _refinements_brute_force(cache, steps: int) -> int:
+    """Refinements of a generation of `steps` decode steps, counted from the plan and the schedule."""
+    planner, rows, heads = cache.planner, cache.rows, cache.sel_heads
+    group = cache.config.sharing.query_group
+    total = 0
+    for step in range(steps):
+        if step % group:  # a reuse step: every sparse layer refines every (row, head)
+            total += rows * heads * len(planner.shares)
+            continue
+        for share in planner.shares.values():
+            selecting = rows if share.select_rows is None else len(share.select_rows)
+            total += selecting * (heads - share.source_heads.shape[1]) + (rows - selecting) * heads
+    return total
+
+
+@pytest.mark.parametrize("preset", ["hshare-1_2-1_2-1_2", "hshare-7_8-3_4-1_2"])
+def test_counters_count_the_candidate_rows_scored(preset):
+    model = tiny_llama(kv_heads=2, layers=4, heads=4)
+    ids, mask = left_padded(LENGTHS, torch.Generator().manual_seed(1))
+    stats = {}
+    for candidates in (1, 2):
+        with hshare.patched(model, preset, candidates=candidates, dense_fallback_mib=0, **SMALL):
+            cache = hshare.new_cache(model)
+            greedy(model, ids, mask, new_tokens=NEW, past_key_values=cache)
+            stats[candidates] = cache.stats
+    plain, refined = stats[1], stats[2]
+    assert plain.refinements == 0
+    assert refined.score_computations == plain.score_computations and refined.selection_steps == plain.selection_steps
+    assert refined.refinements == _refinements_brute_force(cache, NEW - 1) > 0
+    # a scoring scores every cached column as before; a refinement its C = 12 candidates
+    assert refined.scored_tokens == plain.scored_tokens + 12 * refined.refinements
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(plan_scope="sample"), dict(query_sharing="1/4", group_lookahead=True)])
+def test_static_shapes_equal_eager(monkeypatch, overrides):
+    monkeypatch.setattr(static_decode, "STATIC_ON_CPU", True)
+    model = tiny_llama(kv_heads=2, layers=4)
+    ids, mask = left_padded([31, 18, 26, 9])
+    out = {}
+    for static in (False, True):
+        with hshare.patched(model, "hshare-1_2-1_2-1_2", cuda_graphs=static, candidates=2, **SMALL, **overrides):
+            cache = hshare.new_cache(model)
+            out[static] = (greedy(model, ids, mask, new_tokens=8, past_key_values=cache), cache)
+    static_cache = out[True][1]
+    assert static_cache.static_decode.reason == "" and static_cache.static_decode.eager_steps == 7
+    assert torch.equal(out[True][0], out[False][0])
+    assert static_cache.stats.refinements == out[False][1].stats.refinements > 0
+
+
+# ---- the "auto" planner: Algorithm 1 shares only pairs that reach the similarity target ----------------------
+
+def _algorithm_1(similarity, copies, threshold):
+    """Brute force: the most similar pair (i, j < i) at a time, while it reaches `threshold`."""
+    size = len(similarity)
+    source, alive = list(range(size)), set(range(size))
+    for _ in range(copies):
+        pairs = [(float(similarity[i][j]), -i, -j) for i in alive for j in alive if j < i]
+        if not pairs:
+            break
+        best, i, j = max(pairs)
+        if best < threshold:
+            break
+        source[-i] = -j
+        alive.discard(-i)
+    for i in range(size):
+        while source[source[i]] != source[i]:
+            source[i] = source[source[i]]
+    return source
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 0.8, 1.01])
+def test_auto_greedy_stops_below_the_target(threshold):
+    from hshare.planner import greedy_sharing
+
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(5):
+        similarity = torch.rand(6, 6, generator=generator)
+        got = greedy_sharing(similarity, 4, threshold)
+        assert got.tolist() == _algorithm_1(similarity.tolist(), 4, threshold)
+    assert greedy_sharing(similarity, 4, 0.0).tolist() == greedy_sharing(similarity, 4).tolist()
+
+
+def test_auto_planner_shares_per_the_evidence():
+    model = tiny_llama(kv_heads=2, layers=4, heads=4)
+    ids, mask = left_padded(LENGTHS, torch.Generator().manual_seed(1))
+    sources = {}
+    for target in (0.0, 1.0):
+        with hshare.patched(model, "hshare-1_2-1_2-1_2", planner="auto", share_similarity=target,
+                            dense_fallback_mib=0, **SMALL):
+            cache = hshare.new_cache(model)
+            greedy(model, ids, mask, new_tokens=4, past_key_values=cache)
+            plan = cache.planner.sharing
+            sources[target] = (int((plan.layer_source[0] == torch.arange(4)).sum()),
+                               int((plan.head_source[:, 0] == torch.arange(2)).sum()))
+    assert sources[0.0] == (2, 4)  # any pair reaches 0: the ratios' bound, 2 of 4 layers, 1 of 2 heads each
+    assert sources[1.0] == (4, 8)  # no pair of this random model is identical: nothing shares
