@@ -425,8 +425,9 @@ class SelectionSpy:
     while active (each against the vectorized brute force), and the key validity the step was
     given against `expected_valid(kv_len)` when provided."""
 
-    def __init__(self, sink: int, local: int, budget: int, heavy: int, expected_valid=None) -> None:
+    def __init__(self, sink: int, local: int, budget: int, heavy: int, expected_valid=None, candidates: int = 0) -> None:
         self.sink, self.local, self.budget, self.heavy = sink, local, budget, heavy
+        self.top_k_sizes = {heavy, candidates} if candidates else {heavy}  # heavy columns, candidate sets
         self.expected_valid = expected_valid
         self.critical_calls = 0
         self.select_calls = 0
@@ -434,6 +435,7 @@ class SelectionSpy:
 
     def __enter__(self) -> "SelectionSpy":
         import hshare.attention as attention
+        import hshare.refine as refine
         from hshare.selection import RowWindows
 
         original_critical = RowWindows.critical_indices
@@ -452,12 +454,13 @@ class SelectionSpy:
         def select(scores, middle, heavy):
             out = original_select(scores, middle, heavy)
             spy.select_calls += 1
-            assert heavy == spy.heavy
+            assert heavy in spy.top_k_sizes
             check_top_k(scores.cpu(), middle.cpu(), heavy, out.cpu())
             return out
 
         self._stack.enter_context(mock.patch.object(RowWindows, "critical_indices", critical))
         self._stack.enter_context(mock.patch.object(attention, "select_heavy", select))
+        self._stack.enter_context(mock.patch.object(refine, "select_heavy", select))  # candidates, refinements
         return self
 
     def __exit__(self, *exc) -> None:
@@ -500,6 +503,7 @@ class ExpectedStats:
     dense_fallback_steps: int
     selection_steps: int
     score_computations: int
+    refinements: int
     plans: int
     scored_tokens: int
     scored_pages: int
@@ -541,8 +545,10 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
     group = config.sharing.query_group
     source_layers = sources_for(config.sharing.layer, n_sparse)
     source_heads = sources_for(config.sharing.head, sel)
+    candidates = config.candidate_count  # C, 0 without refinement
     counts = dict(decode_steps=steps, sparse_steps=0, dense_fallback_steps=0, selection_steps=0,
-                  score_computations=0, plans=0, scored_tokens=0, scored_pages=0, kv_rows_read=0, dense_kv_rows=0)
+                  score_computations=0, refinements=0, plans=0, scored_tokens=0, scored_pages=0, kv_rows_read=0,
+                  dense_kv_rows=0)
     for s in range(1, steps + 1):
         own, full = own_valid(s), full_valid(s)
         counts["dense_kv_rows"] += layers * kv_heads * sum(full)
@@ -556,14 +562,21 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
             counts["kv_rows_read"] += n_sparse * kv_heads * sum(own)
         else:
             counts["kv_rows_read"] += n_sparse * sel * sum(min(n, budget) for n in own)
-        if (s - 1) % group == 0 and config.budget.heavy > 0:
-            scorings = batch * source_layers * source_heads
-            counts["selection_steps"] += 1
-            counts["score_computations"] += scorings
-            if config.policy.name == "quest":
-                counts["scored_pages"] += scorings * pages_for(own_width + s, config.policy.page_size)
-            else:
-                counts["scored_tokens"] += scorings * (own_width + s)
+        if config.budget.heavy == 0:
+            continue
+        selecting = (s - 1) % group == 0
+        scorings = batch * source_layers * source_heads if selecting else 0
+        # refinements: at a selection step every copying head of a source layer and every head of a copying
+        # layer; at a reuse step every head of every sparse layer
+        refinements = 0 if not candidates else batch * (
+            source_layers * (sel - source_heads) + (n_sparse - source_layers) * sel if selecting else n_sparse * sel)
+        counts["selection_steps"] += int(selecting)
+        counts["score_computations"] += scorings
+        counts["refinements"] += refinements
+        if config.policy.name == "quest":  # refinements score every page (no candidate-only scores)
+            counts["scored_pages"] += (scorings + refinements) * pages_for(own_width + s, config.policy.page_size)
+        else:
+            counts["scored_tokens"] += scorings * (own_width + s) + refinements * candidates
     if n_sparse and steps and config.sharing.shares_layers_or_heads:
         counts["plans"] = 1
     exact = group == 1 or (group == 2 and not config.sharing.lookahead and not window_clips)
@@ -572,7 +585,7 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
 
 def assert_stats(stats, expected: ExpectedStats) -> None:
     for name in ("decode_steps", "sparse_steps", "dense_fallback_steps", "selection_steps", "score_computations",
-                 "plans", "scored_tokens", "scored_pages", "dense_kv_rows"):
+                 "refinements", "plans", "scored_tokens", "scored_pages", "dense_kv_rows"):
         assert getattr(stats, name) == getattr(expected, name), \
             f"stats.{name} = {getattr(stats, name)}, expected {getattr(expected, name)}"
     if expected.kv_rows_read_exact:
