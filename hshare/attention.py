@@ -33,7 +33,7 @@ from hshare.step import DecodeStep
 from hshare.heads import head_shard
 from hshare.kernels import attention_with_lse, gather_attention, merge_attention_states, split_decode_attention
 from hshare.refine import refine_candidates, select_candidates
-from hshare.selection import NO_TOKEN, select_heavy, valid_columns_from_mask
+from hshare.selection import NO_TOKEN, valid_columns_from_mask
 from hshare.sparse_prefill import sparse_prefill_attention
 
 ATTENTION_NAME = "hshare"
@@ -206,8 +206,7 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
                 source_heads, head_slot = source_heads.index_select(0, rows), head_slot.index_select(0, rows)
         count = middle.shape[0]
         heads = None if share.all_heads else source_heads
-        scores = layer.policy.decode_scores(query[:, :, 0], rows=rows, heads=heads)  # [B', n_src, n]
-        chosen = select_heavy(scores, middle[:, None], config.budget.heavy)
+        chosen = layer.policy.decode_heavy(query[:, :, 0], middle, config.budget.heavy, rows=rows, heads=heads)
         if not share.all_heads:
             slots = head_slot.expand(count, -1)[..., None].expand(-1, -1, config.budget.heavy)
             chosen = chosen.gather(1, slots)

@@ -18,8 +18,8 @@ import torch
 
 from hshare.channels import dynamic_channels, resolve_calibration
 from hshare.config import ConfigError, HShareConfig, PolicyConfig, check_choice, check_int
-from hshare.kernels import (append_labels, candidate_label_scores, decode_label_scores, label_scores,
-                            label_storage_dtype, query_labels)
+from hshare.kernels import (append_labels, candidate_label_scores, decode_label_scores, decode_label_topk, label_scores,
+                            label_storage_dtype, query_labels, use_triton)
 from hshare.policy import SelectionPolicy, register_policy
 
 if TYPE_CHECKING:
@@ -187,6 +187,15 @@ class LabelCache(SelectionPolicy):
         """
         return decode_label_scores(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
                                    self.bits, rows, heads)
+
+    def decode_heavy(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int, rows: torch.Tensor | None = None,
+                     heads: torch.Tensor | None = None) -> torch.Tensor:
+        """On CUDA, label scoring and the heavy top-k in one fused operation (`kernels.decode_label_topk`:
+        the ``[B', H', n]`` scores are never written); elsewhere `decode_scores` then the top-k (the twin)."""
+        if not use_triton(self.codes.view()):
+            return super().decode_heavy(query, selectable, heavy, rows, heads)
+        return decode_label_topk(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
+                                 self.bits, heavy, selectable=selectable, rows=rows, heads=heads)
 
     def candidate_scores(self, query: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | None = None,
                          heads: torch.Tensor | None = None) -> torch.Tensor:

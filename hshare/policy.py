@@ -29,6 +29,7 @@ import torch
 
 from hshare.buffer import GrowingBuffer
 from hshare.config import ConfigError, HShareConfig, PolicyConfig
+from hshare.kernels import select_heavy
 
 if TYPE_CHECKING:
     from hshare.heads import HeadShard
@@ -139,6 +140,14 @@ class SelectionPolicy(ABC):
                       heads: torch.Tensor | None = None) -> torch.Tensor:
         """Token scores ``[B', H', n]`` for the decode query ``[B, Hq, d]`` of rows ``[B']`` (None =
         all) and selection heads ``[B' or 1, H']`` (None = all H_sel): only those are computed."""
+
+    def decode_heavy(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int, rows: torch.Tensor | None = None,
+                     heads: torch.Tensor | None = None) -> torch.Tensor:
+        """The heavy columns ``[B', H', heavy]`` of a selection step: the `heavy` best `decode_scores` of the
+        selectable window ``[B', n]`` (bool) of rows ``[B']`` (None = all) and selection heads ``[B' or 1, H']``
+        (None = all), ``NO_TOKEN`` where the window is short (`kernels.select_heavy`'s contract: the set is
+        the contract, not the order). A policy that can score and select in one pass overrides it."""
+        return select_heavy(self.decode_scores(query, rows, heads), selectable[:, None], heavy)
 
     def candidate_scores(self, query: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | None = None,
                          heads: torch.Tensor | None = None) -> torch.Tensor:

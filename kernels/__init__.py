@@ -8,6 +8,8 @@ from __future__ import annotations
 from .channel_statistic import channel_statistic, channel_statistic_torch
 from .critical_indices import NO_TOKEN, critical_indices, critical_indices_torch
 from .heavy_topk import select_heavy, select_heavy_torch
+from .label_topk import decode_label_topk, decode_label_topk_torch, label_topk, label_topk_torch
+from .dispatch import use_triton
 from .gather_attention import gather_attention, gather_attention_torch
 from .labels import append_labels, candidate_label_scores, decode_label_scores, dequantize_labels, label_scores, label_storage_dtype, \
     quantize_labels, query_labels, score_heads
@@ -18,6 +20,7 @@ from .shared_decode import PrefixKV, shared_decode_attention, shared_decode_atte
 from .split_decode import split_decode_attention, split_decode_attention_torch
 
 __all__ = [
+    "use_triton",
     "channel_statistic",
     "channel_statistic_torch",
     "NO_TOKEN",
@@ -29,10 +32,14 @@ __all__ = [
     "attention_with_lse_torch",
     "candidate_label_scores",
     "decode_label_scores",
+    "decode_label_topk",
+    "decode_label_topk_torch",
     "dequantize_labels",
     "gather_attention",
     "gather_attention_torch",
     "label_scores",
+    "label_topk",
+    "label_topk_torch",
     "label_storage_dtype",
     "merge_attention_splits",
     "merge_attention_states",

@@ -421,9 +421,10 @@ def check_top_k(scores: torch.Tensor, middle: torch.Tensor, k: int, out: torch.T
 
 
 class SelectionSpy:
-    """Checks every call of `RowWindows.critical_indices` and of the attention's `select_heavy`
-    while active (each against the vectorized brute force), and the key validity the step was
-    given against `expected_valid(kv_len)` when provided."""
+    """Checks every call of `RowWindows.critical_indices` and of a selection's `select_heavy` (a policy's
+    `decode_heavy` on CPU, candidate sets and refinements) while active (each against the vectorized
+    brute force), and the key validity the step was given against `expected_valid(kv_len)` when
+    provided."""
 
     def __init__(self, sink: int, local: int, budget: int, heavy: int, expected_valid=None, candidates: int = 0) -> None:
         self.sink, self.local, self.budget, self.heavy = sink, local, budget, heavy
@@ -434,12 +435,12 @@ class SelectionSpy:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "SelectionSpy":
-        import hshare.attention as attention
+        import hshare.policy as policy
         import hshare.refine as refine
         from hshare.selection import RowWindows
 
         original_critical = RowWindows.critical_indices
-        original_select = attention.select_heavy
+        original_select = policy.select_heavy
         spy = self
 
         def critical(windows, heavy, count=None):
@@ -459,7 +460,7 @@ class SelectionSpy:
             return out
 
         self._stack.enter_context(mock.patch.object(RowWindows, "critical_indices", critical))
-        self._stack.enter_context(mock.patch.object(attention, "select_heavy", select))
+        self._stack.enter_context(mock.patch.object(policy, "select_heavy", select))
         self._stack.enter_context(mock.patch.object(refine, "select_heavy", select))  # candidates, refinements
         return self
 

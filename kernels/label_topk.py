@@ -1,0 +1,183 @@
+"""Fused label scoring and heavy top-k of a selection step (HShare section 4.2; DoubleSparse).
+
+A selection step scores every cached token of a (row, source head) on its label (``q_lab . k_lab``,
+`labels.score_heads`) and keeps the `heavy` best-scored columns of the row's selectable window
+(`heavy_topk.select_heavy`). Here both are one operation, so that at long context the
+``[A, H', n]`` fp32 scores need not be written and read back: a selection costs the bytes of the
+labels it scores.
+
+Contract (every function of this module):
+
+* inputs: the query labels ``[A, H', r]`` (`label_topk`), or the decode query ``[B, Hq, d]`` and the
+  heavy channels ``[P, H_sel, r]`` whose labels are gathered as `labels.query_labels` does
+  (`decode_label_topk`); the whole label cache ``codes [B, H_sel, n, r * bits / 8 (or r)]``,
+  ``scale / zero [B, H_sel, n]`` (None at 16 bits) and `bits`; `rows` ``[A]`` batch rows (None = all,
+  A = B) and `heads` ``[A or 1, H']`` selection heads per row (None = all, H' = H_sel);
+* the selectable window of output row a: the columns ``window[a, 0] <= column < window[a, 1]``
+  (``[A, 2]`` integer bounds; None = all n columns) that `selectable` ``[A, n]`` (bool; None = all)
+  marks; rows with a short window hold fewer tokens;
+* the result: ``[A, H', heavy]`` int64, the columns of the ``min(heavy, |window|)`` best scores in
+  ascending order, then ``NO_TOKEN``. A column whose score is not finite is never chosen (the others
+  fill its place). Among equal scores at the heavy-th the smaller columns are chosen (-0.0 equals
+  +0.0), so the set is a function of the scores; implementations agree up to the rounding of the
+  scores themselves.
+
+`label_topk` / `decode_label_topk` dispatch (`dispatch.use_triton`): CUDA tensors to the Triton
+kernels (`label_topk_triton`: one launch when a row fits one chunk, else two, no ``[A, H', n]``
+tensor), everything else (the CPU path, the test oracle, fp64) to the twins `label_topk_torch` /
+`decode_label_topk_torch`, which score every column (`labels.label_scores`) and select with
+`select_heavy_columns_torch`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .critical_indices import NO_TOKEN
+from .dispatch import use_triton
+from .labels import label_scores, query_labels as gather_query_labels
+
+
+def label_topk(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
+               bits: int, heavy: int, window: torch.Tensor | None = None, selectable: torch.Tensor | None = None,
+               rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-`heavy` columns of each (row, head) by label score (module contract).
+
+    Args:
+        query_labels: ``[A, H', r]`` one query's heavy channels per (row, source head).
+        codes, scale, zero, bits: the whole label cache (`labels.score_heads`).
+        heavy: tokens to keep.
+        window: ``[A, 2]`` per-row column bounds ``[start, end)``; selectable: ``[A, n]`` bool.
+        rows: ``[A]`` batch rows (None = all); heads: ``[A or 1, H']`` selection heads (None = all).
+
+    Returns:
+        ``[A, H', heavy]`` int64 columns, ascending, then ``NO_TOKEN``.
+    """
+    if _runs_triton(query_labels, codes, bits, heavy, query_labels.shape[-1]):
+        from .label_topk_triton import label_topk_triton
+
+        rows, heads = _index_defaults(rows, heads, query_labels.shape[0], query_labels.shape[1], codes.device)
+        return label_topk_triton(query_labels, codes, scale, zero, bits, heavy, rows, heads, window, selectable)
+    return label_topk_torch(query_labels, codes, scale, zero, bits, heavy, window, selectable, rows, heads)
+
+
+def decode_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
+                      zero: torch.Tensor | None, bits: int, heavy: int, window: torch.Tensor | None = None,
+                      selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                      heads: torch.Tensor | None = None) -> torch.Tensor:
+    """`label_topk` of the decode query: the labels are the query's heavy channels (module contract).
+
+    Args:
+        query: ``[B, Hq, d]`` the decode query of every row.
+        channels: ``[P, H_sel, r]`` heavy channels per selection head (P = 1 or B).
+        codes, scale, zero, bits, heavy, window, selectable, rows, heads: as `label_topk`; without
+            `rows`, A = B.
+
+    Returns:
+        ``[A, H', heavy]`` int64 columns, ascending, then ``NO_TOKEN``. CUDA tensors: the kernels gather
+        the query labels themselves.
+    """
+    if _runs_triton(query, codes, bits, heavy, channels.shape[-1]):
+        from .label_topk_triton import label_topk_triton
+
+        rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
+        return label_topk_triton(None, codes, scale, zero, bits, heavy, rows, heads, window, selectable,
+                                 query=query, channels=channels)
+    return decode_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, window, selectable, rows, heads)
+
+
+def label_topk_torch(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
+                     zero: torch.Tensor | None, bits: int, heavy: int, window: torch.Tensor | None = None,
+                     selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                     heads: torch.Tensor | None = None) -> torch.Tensor:
+    """The twin of `label_topk` (same contract): every column scored, then `select_heavy_columns_torch`."""
+    tensors = [codes, scale, zero]
+    if rows is not None:
+        tensors = [None if t is None else t.index_select(0, rows) for t in tensors]
+    if heads is not None:
+        picks = (torch.arange(tensors[0].shape[0], device=heads.device)[:, None], heads.expand(tensors[0].shape[0], -1))
+        tensors = [None if t is None else t[picks] for t in tensors]
+    scores = label_scores(query_labels[:, :, None], tensors[0], tensors[1], tensors[2], bits)[:, :, 0]  # [A, H', n]
+    return select_heavy_columns_torch(scores, window_columns(window, selectable, scores.shape[0], scores.shape[-1],
+                                                             scores.device), heavy)
+
+
+def decode_label_topk_torch(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
+                            scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int, heavy: int,
+                            window: torch.Tensor | None = None, selectable: torch.Tensor | None = None,
+                            rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+    """The twin of `decode_label_topk` (same contract): `labels.query_labels`, then `label_topk_torch`."""
+    labels = gather_query_labels(query[:, :, None], channels)[:, :, 0]  # [B, H_sel, r]
+    if rows is not None:
+        labels = labels.index_select(0, rows)
+    if heads is not None:
+        picks = heads.expand(labels.shape[0], -1)[..., None].expand(-1, -1, labels.shape[-1])
+        labels = labels.gather(1, picks)
+    return label_topk_torch(labels, codes, scale, zero, bits, heavy, window, selectable, rows, heads)
+
+
+def window_columns(window: torch.Tensor | None, selectable: torch.Tensor | None, rows: int, n: int,
+                   device: torch.device) -> torch.Tensor:
+    """The selectable columns ``[A, n]`` bool of per-row bounds ``[A, 2]`` and a mask ``[A, n]`` (None = all)."""
+    ok = torch.ones(rows, n, dtype=torch.bool, device=device)
+    if window is not None:
+        columns = torch.arange(n, device=device)
+        ok &= (columns >= window[:, :1]) & (columns < window[:, 1:])
+    if selectable is not None:
+        ok &= selectable.bool()
+    return ok
+
+
+def select_heavy_columns_torch(scores: torch.Tensor, selectable: torch.Tensor, heavy: int) -> torch.Tensor:
+    """The selection rule of the module contract on computed scores.
+
+    Args:
+        scores: ``[A, H', n]`` approximate logits (fp32 or fp64).
+        selectable: ``[A, n]`` bool, the selectable window of each row.
+        heavy: tokens to keep.
+
+    Returns:
+        ``[A, H', heavy]`` int64 columns, ascending, then ``NO_TOKEN``: the best finite scores, ties
+        at the heavy-th broken toward smaller columns.
+    """
+    n = scores.shape[-1]
+    take = min(heavy, n)
+    ok = selectable[:, None] & torch.isfinite(scores)
+    if take == 0:
+        chosen = torch.zeros(*scores.shape[:-1], 0, dtype=torch.long, device=scores.device)
+        found = torch.zeros_like(chosen, dtype=torch.bool)
+    elif scores.dtype == torch.float64:  # no int64 key of an fp64 score leaves room for the column: a stable sort
+        masked = scores.masked_fill(~ok, float("-inf")) + 0.0  # + 0.0: -0.0 as +0.0
+        chosen = masked.sort(dim=-1, descending=True, stable=True).indices[..., :take]
+        found = ok.gather(-1, chosen)
+    else:  # one int64 per column: its score's order-preserving key, then the column (smaller first)
+        bits = scores.float().view(torch.int32)
+        key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        key = torch.where(bits == -(1 << 31), torch.zeros_like(key), key)  # -0.0 as +0.0
+        columns = torch.arange(n, device=scores.device)
+        packed = (key.long() << 32) | (0xFFFFFFFF - columns)
+        packed = packed.masked_fill(~ok, torch.iinfo(torch.int64).min)
+        best = packed.topk(take, dim=-1, sorted=False).values
+        chosen = 0xFFFFFFFF - (best & 0xFFFFFFFF)
+        found = best != torch.iinfo(torch.int64).min
+    chosen = torch.where(found, chosen, torch.full_like(chosen, n)).sort(dim=-1).values  # ascending, misses last
+    chosen = torch.where(chosen < n, chosen, torch.full_like(chosen, NO_TOKEN))
+    if take < heavy:
+        pad = torch.full((*chosen.shape[:-1], heavy - take), NO_TOKEN, dtype=torch.long, device=chosen.device)
+        chosen = torch.cat((chosen, pad), dim=-1)
+    return chosen
+
+
+def _runs_triton(tensor: torch.Tensor, codes: torch.Tensor, bits: int, heavy: int, channels: int) -> bool:
+    """Whether the Triton kernels take this call: their dtypes (no fp64), 4/8/16-bit labels with an even
+    channel count at 4 bits, codes contiguous per token, a nonempty cache and heavy budget."""
+    return (use_triton(tensor) and tensor.dtype != torch.float64 and bits in (4, 8, 16) and heavy > 0
+            and codes.shape[2] > 0 and codes.stride(-1) == 1 and (bits != 4 or channels % 2 == 0))
+
+
+def _index_defaults(rows: torch.Tensor | None, heads: torch.Tensor | None, count: int, n_heads: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` ``[A]`` and `heads` ``[A or 1, H']`` index tensors (all rows / all heads when None)."""
+    rows = torch.arange(count, device=device) if rows is None else rows
+    heads = torch.arange(n_heads, device=device)[None] if heads is None else heads
+    return rows, heads

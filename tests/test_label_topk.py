@@ -1,0 +1,210 @@
+"""Fused label scoring + heavy top-k (`kernels.label_topk`): the twin against brute force (dequantized
+labels, fp64 scores, a masked top-k), the Triton kernels against the twin (CPU: TRITON_INTERPRET=1,
+small shapes; one-chunk and two-launch paths)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hshare.kernels import NO_TOKEN, dequantize_labels, label_scores, quantize_labels, query_labels
+from hshare.kernels.label_topk import (decode_label_topk_torch, label_topk, label_topk_torch,
+                                       select_heavy_columns_torch, window_columns)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def label_cache(batch, sel_heads, n, r, bits, dtype=torch.float32, seed=0):
+    """A random label cache ``[B, H_sel, n, .]`` (quantized as the cache stores it)."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, sel_heads, n, r, generator=generator).to(DEVICE, dtype)
+    return quantize_labels(keys, bits)
+
+
+def brute_force_scores(labels, codes, scale, zero, bits, rows, heads):
+    """fp64 ``[A, H', n]`` scores of the query labels ``[A, H', r]`` on the dequantized labels."""
+    keys = dequantize_labels(codes, scale, zero, bits, torch.float64)
+    picked = keys[rows[:, None], heads.expand(len(rows), -1)]  # [A, H', n, r]
+    return torch.einsum("ahr,ahnr->ahn", labels.double(), picked)
+
+
+def check_selection(got, scores, selectable, heavy, tol):
+    """The module contract, tie-robust: ascending distinct selectable columns with finite scores, then
+    NO_TOKEN; min(heavy, |window|) of them; none scored below an unchosen selectable column (by
+    more than `tol`)."""
+    got, scores, selectable = got.cpu(), scores.cpu().double(), selectable.cpu()
+    rows, heads, n = scores.shape
+    assert got.dtype == torch.int64 and got.shape == (rows, heads, heavy)
+    ok = selectable[:, None] & torch.isfinite(scores)
+    for a in range(rows):
+        for h in range(heads):
+            columns = got[a, h]
+            chosen = columns[columns != NO_TOKEN]
+            assert bool((columns[len(chosen):] == NO_TOKEN).all()), "NO_TOKEN only at the end"
+            assert bool((chosen[1:] > chosen[:-1]).all()), "columns ascending and distinct"
+            assert len(chosen) == min(heavy, int(ok[a, h].sum())), "heavy count != min(heavy, |window|)"
+            assert bool(ok[a, h, chosen].all()), "a chosen column outside the window or non-finite"
+            left = ok[a, h].clone()
+            left[chosen] = False
+            if len(chosen) and bool(left.any()):
+                assert float(scores[a, h, chosen].min()) >= float(scores[a, h][left].max()) - tol
+
+
+def run_triton(*args, **kwargs):
+    """The Triton entry point (interpreted on CPU); skipped where triton cannot run."""
+    pytest.importorskip("triton")
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    from hshare.kernels.label_topk_triton import label_topk_triton
+
+    return label_topk_triton(*args, **kwargs)
+
+
+# --- the twin --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("q_heads,sel_heads,per_row", [(4, 4, False), (6, 2, True), (8, 1, False)])
+def test_twin_matches_brute_force(bits, q_heads, sel_heads, per_row):
+    """Decode query (GQA groups summed, per-row channels), chosen rows and heads, per-row bounds and a
+    mask: the twin keeps the brute-force top-k, and exactly its set on the twin's own scores."""
+    torch.manual_seed(0)
+    batch, n, r, dim, heavy = 3, 150, 8, 32, 20
+    codes, scale, zero = label_cache(batch, sel_heads, n, r, bits)
+    query = torch.randn(batch, q_heads, dim, device=DEVICE)
+    picks = (batch if per_row else 1) * sel_heads
+    channels = torch.stack([torch.randperm(dim, device=DEVICE)[:r] for _ in range(picks)])
+    channels = channels.reshape(-1, sel_heads, r)
+    rows = torch.tensor([2, 0], device=DEVICE)
+    heads = torch.randint(0, sel_heads, (2, 3), device=DEVICE)
+    window = torch.tensor([[10, 140], [0, 150]], device=DEVICE)
+    selectable = torch.rand(2, n, device=DEVICE) < 0.7
+    got = decode_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, window, selectable, rows, heads)
+    labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]  # [A, H', r]
+    scores = brute_force_scores(labels, codes, scale, zero, bits, rows, heads)
+    ok = window_columns(window, selectable, 2, n, DEVICE)
+    check_selection(got, scores, ok, heavy, tol=1e-4)
+    picks = (rows[:, None], heads.expand(len(rows), -1))
+    own = label_scores(labels[:, :, None], codes[picks], None if scale is None else scale[picks],
+                       None if zero is None else zero[picks], bits)[:, :, 0]  # the twin's fp32 scores
+    masked = own.masked_fill(~ok[:, None], float("-inf"))  # distinct scores: one top-k set
+    assert torch.equal(got, masked.topk(heavy, dim=-1).indices.sort(-1).values)
+
+
+def test_twin_short_windows_ties_and_non_finite():
+    """Fewer selectable columns than heavy (NO_TOKEN fill, an empty window), a tie across the heavy-th
+    score (the smaller columns win, -0.0 equals +0.0), non-finite scores never chosen."""
+    scores = torch.randn(3, 2, 40, dtype=torch.float64)
+    scores[0, 0, 10:20] = 5.0  # 10 tied best, heavy 6: columns 10..15
+    scores[0, 1, :] = -0.0
+    scores[0, 1, 3::4] = 0.0  # all tied at zero: the first columns
+    scores[1, :, :5] = float("inf")
+    scores[1, 0, 5:9] = float("nan")
+    selectable = torch.ones(3, 40, dtype=torch.bool)
+    selectable[2] = False
+    selectable[2, 30:33] = True  # three selectable columns
+    for dtype in (torch.float32, torch.float64):
+        got = select_heavy_columns_torch(scores.to(dtype), selectable, 6)
+        assert got[0, 0].tolist() == list(range(10, 16))
+        assert got[0, 1].tolist() == list(range(6))
+        assert bool((got[1, 0] >= 9).all()) and bool((got[1, 1] >= 5).all())  # never inf / NaN
+        assert got[2, 0].tolist() == [30, 31, 32, NO_TOKEN, NO_TOKEN, NO_TOKEN]
+        check_selection(got, scores, selectable, 6, tol=0.0)
+    empty = select_heavy_columns_torch(scores, torch.zeros(3, 40, dtype=torch.bool), 4)
+    assert bool((empty == NO_TOKEN).all())
+
+
+def test_dispatch_sends_cuda_or_forced_calls_to_the_kernel(monkeypatch):
+    """`label_topk` runs the kernel under HSHARE_KERNELS=triton (interpreted on CPU) and the twin for
+    fp64 labels; both keep the twin's set."""
+    import hshare.kernels.label_topk_triton as module
+
+    pytest.importorskip("triton")
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    calls = []
+    original = module.label_topk_triton
+    monkeypatch.setattr(module, "label_topk_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setenv("HSHARE_KERNELS", "triton")
+    torch.manual_seed(4)
+    codes, scale, zero = label_cache(2, 2, 60, 8, 4)
+    labels = torch.randn(2, 2, 8, device=DEVICE)
+    got = label_topk(labels, codes, scale, zero, 4, 9)
+    assert calls == [1]
+    assert torch.equal(got, label_topk_torch(labels, codes, scale, zero, 4, 9))
+    label_topk(labels.double(), codes, scale, zero, 4, 9)  # fp64: the twin
+    assert calls == [1]
+
+
+# --- the Triton kernels against the twin ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (8, torch.float16), (16, torch.bfloat16)])
+@pytest.mark.parametrize("chunk", [None, 64])  # None: the row in one program; 64: five chunks, two launches
+def test_triton_matches_twin(bits, dtype, chunk):
+    """Decode query with GQA and per-row channels, chosen rows and heads, per-row bounds and a mask:
+    the kernel's columns are the twin's (scores agree up to rounding: the tie-robust contract, and
+    the twin's very set)."""
+    torch.manual_seed(1)
+    batch, sel_heads, q_heads, n, r, dim, heavy = 3, 2, 4, 300, 8, 16, 37
+    codes, scale, zero = label_cache(batch, sel_heads, n, r, bits, dtype, seed=1)
+    query = torch.randn(batch, q_heads, dim, device=DEVICE)
+    channels = torch.stack([torch.randperm(dim, device=DEVICE)[:r] for _ in range(batch * sel_heads)])
+    channels = channels.reshape(batch, sel_heads, r)
+    rows = torch.tensor([2, 0], device=DEVICE)
+    heads = torch.tensor([[1, 0], [1, 1]], device=DEVICE)
+    window = torch.tensor([[40, 270], [0, 300]], device=DEVICE)
+    selectable = torch.rand(2, n, device=DEVICE) < 0.8
+    got = run_triton(None, codes, scale, zero, bits, heavy, rows, heads, window, selectable,
+                     query=query, channels=channels, chunk=chunk, tile=32)
+    want = decode_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, window, selectable, rows, heads)
+    labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
+    scores = brute_force_scores(labels, codes, scale, zero, bits, rows, heads)
+    check_selection(got, scores, window_columns(window, selectable, 2, n, DEVICE), heavy, tol=1e-4)
+    if DEVICE == "cpu":  # the interpreter's scores: deterministic, the same set as the twin's here
+        assert torch.equal(got, want)
+
+
+def test_triton_short_windows_ties_and_non_finite():
+    """Two launches (chunks of 32; the candidates in tiles of 16, or in one tile held in registers)
+    and one: rows whose window holds fewer than heavy tokens or none, a tie group of identical labels
+    across the heavy-th score (the twin's columns exactly: the smaller win), non-finite scores
+    (infinite zero points, NaN scales) never chosen."""
+    torch.manual_seed(2)
+    batch, sel_heads, n, r, bits, heavy = 2, 2, 200, 8, 4, 24
+    codes, scale, zero = label_cache(batch, sel_heads, n, r, bits, torch.bfloat16, seed=2)
+    labels = torch.randn(3, 2, r, device=DEVICE)
+    labels[1, 1] = 0.0  # a head whose every score is zero: one tie over the whole window
+    codes[0, 1, 60:140] = codes[0, 1, 60:61]  # 80 identical labels: tied scores
+    scale[0, 1, 60:140] = scale[0, 1, 60]
+    zero[0, 1, 60:140] = zero[0, 1, 60]
+    zero[1, 0, 10:30] = float("inf")
+    scale[1, 0, 150:170] = float("nan")
+    rows = torch.tensor([0, 1, 1], device=DEVICE)
+    heads = torch.tensor([[1, 0], [0, 1], [1, 0]], device=DEVICE)
+    window = torch.tensor([[0, 200], [5, 200], [33, 50]], device=DEVICE)  # the last: 17 tokens < heavy
+    selectable = torch.ones(3, n, dtype=torch.bool, device=DEVICE)
+    selectable[2, 40:45] = False
+    for chunk, tile in ((32, 16), (32, 4096), (None, 4096)):
+        got = run_triton(labels, codes, scale, zero, bits, heavy, rows, heads, window, selectable,
+                         chunk=chunk, tile=tile)
+        want = label_topk_torch(labels, codes, scale, zero, bits, heavy, window, selectable, rows, heads)
+        assert torch.equal(got, want), chunk
+        assert int((got[2] != NO_TOKEN).sum(-1).max()) == 12
+    empty = run_triton(labels, codes, scale, zero, bits, heavy, rows, heads,
+                       torch.tensor([[7, 7], [0, 0], [300, 400]], device=DEVICE), None, chunk=64)
+    assert bool((empty == NO_TOKEN).all())
+
+
+def test_triton_heavy_beyond_chunks_and_row():
+    """heavy above a chunk (every chunk's candidates may fill its range) and above the row (all
+    selectable columns, then NO_TOKEN), 8-bit labels read byte by byte (3 channels: an odd row)."""
+    torch.manual_seed(3)
+    codes, scale, zero = label_cache(2, 1, 130, 3, 8, seed=3)
+    labels = torch.randn(2, 1, 3, device=DEVICE)
+    for heavy, chunk in ((50, 32), (200, 32), (200, None)):
+        got = run_triton(labels, codes, scale, zero, 8, heavy, torch.arange(2, device=DEVICE),
+                         torch.zeros(1, 1, dtype=torch.long, device=DEVICE), chunk=chunk, tile=64)
+        assert torch.equal(got, label_topk_torch(labels, codes, scale, zero, 8, heavy)), (heavy, chunk)
