@@ -25,7 +25,7 @@ Contract (every function of this module):
 `label_topk` / `decode_label_topk` dispatch (`dispatch.use_triton`): CUDA tensors to the Triton
 kernels (`label_topk_triton`: one launch when a row fits one chunk, else two, no ``[A, H', n]``
 tensor), everything else (the CPU path, the test oracle, fp64) to the twins `label_topk_torch` /
-`decode_label_topk_torch`, which score every column (`labels.label_scores`) and select with
+`decode_label_topk_torch`, which score every column (`labels.score_heads_torch`) and select with
 `select_heavy_columns_torch`.
 """
 
@@ -35,7 +35,7 @@ import torch
 
 from .critical_indices import NO_TOKEN
 from .dispatch import use_triton
-from .labels import label_scores, query_labels as gather_query_labels
+from .labels import query_labels as gather_query_labels, score_heads_torch
 
 
 def label_topk(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
@@ -90,14 +90,9 @@ def label_topk_torch(query_labels: torch.Tensor, codes: torch.Tensor, scale: tor
                      zero: torch.Tensor | None, bits: int, heavy: int, window: torch.Tensor | None = None,
                      selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                      heads: torch.Tensor | None = None) -> torch.Tensor:
-    """The twin of `label_topk` (same contract): every column scored, then `select_heavy_columns_torch`."""
-    tensors = [codes, scale, zero]
-    if rows is not None:
-        tensors = [None if t is None else t.index_select(0, rows) for t in tensors]
-    if heads is not None:
-        picks = (torch.arange(tensors[0].shape[0], device=heads.device)[:, None], heads.expand(tensors[0].shape[0], -1))
-        tensors = [None if t is None else t[picks] for t in tensors]
-    scores = label_scores(query_labels[:, :, None], tensors[0], tensors[1], tensors[2], bits)[:, :, 0]  # [A, H', n]
+    """The twin of `label_topk` (same contract): every column scored (`labels.score_heads_torch`), then
+    `select_heavy_columns_torch`."""
+    scores = score_heads_torch(query_labels, codes, scale, zero, bits, rows, heads)  # [A, H', n]
     return select_heavy_columns_torch(scores, window_columns(window, selectable, scores.shape[0], scores.shape[-1],
                                                              scores.device), heavy)
 

@@ -58,6 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .labels_triton import kernel_label_inputs
+
 CHUNK = 4096  # columns per program (and the longest row done in one launch)
 MAX_CHUNKS = 32  # longer rows take longer chunks (the bound L compares every pair of sketch keys)
 TAIL_TILE = 4096  # candidates per tile of the last program's search and writes
@@ -531,15 +533,9 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=device)
     if heavy == 0 or count * n_heads == 0:
         return out
-    from_query = query_labels is None
-    if from_query:
-        r, group = channels.shape[-1], query.shape[1] // channels.shape[1]
-        query = query if query.stride(-1) == 1 else query.contiguous()
-        channels = channels.contiguous()
-        labels = query  # a placeholder: the kernel reads no labels tensor
-    else:
-        r, group = query_labels.shape[-1], 1
-        labels = query = channels = query_labels.float().reshape(count * n_heads, r).contiguous()
+    labels, query, channels, r, group, from_query = kernel_label_inputs(query_labels, query, channels)
+    if not from_query:  # one row of labels per program
+        labels = query = channels = labels.reshape(count * n_heads, r)
     if codes.stride(-1) != 1:
         raise ValueError("label codes must be contiguous in the channel dimension")
     if bits == 4 and r % 2:

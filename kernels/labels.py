@@ -151,6 +151,13 @@ def score_heads(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Te
         rows = torch.arange(query_labels.shape[0], device=device) if rows is None else rows
         heads = torch.arange(query_labels.shape[1], device=device)[None] if heads is None else heads
         return score_heads_triton(query_labels, codes, scale, zero, bits, rows, heads)
+    return score_heads_torch(query_labels, codes, scale, zero, bits, rows, heads)
+
+
+def score_heads_torch(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
+                      zero: torch.Tensor | None, bits: int, rows: torch.Tensor | None = None,
+                      heads: torch.Tensor | None = None) -> torch.Tensor:
+    """The twin of `score_heads` (same contract)."""
     tensors = [codes, scale, zero]
     if rows is not None:
         tensors = [None if t is None else t.index_select(0, rows) for t in tensors]

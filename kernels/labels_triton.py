@@ -83,15 +83,7 @@ def score_heads_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, s
     the heavy `channels` ``[P, H_sel, r]`` (`labels.decode_label_scores`)."""
     n = codes.shape[2]
     count, n_heads = rows.shape[0], heads.shape[-1]
-    from_query = query_labels is None
-    if from_query:
-        channels_count, group = channels.shape[-1], query.shape[1] // channels.shape[1]
-        query = query if query.stride(-1) == 1 else query.contiguous()
-        channels = channels.contiguous()
-        labels = query  # a placeholder: the kernel reads no labels tensor
-    else:
-        channels_count, group = query_labels.shape[-1], 1
-        labels = query = channels = query_labels.float().contiguous()  # query, channels: placeholders
+    labels, query, channels, channels_count, group, from_query = kernel_label_inputs(query_labels, query, channels)
     if channels_count & (channels_count - 1) or channels_count < 2:
         raise ValueError(f"label_channels {channels_count} is not supported by the Triton kernel; "
                          "accepted: powers of two")
@@ -111,6 +103,19 @@ def score_heads_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, s
         PER_ROW_CHANNELS=from_query and channels.shape[0] > 1, FROM_QUERY=from_query,
     )
     return out
+
+
+def kernel_label_inputs(query_labels: torch.Tensor | None, query: torch.Tensor | None, channels: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, bool]:
+    """What a label-scoring kernel reads of the query: ``(labels, query, channels, r, group, from_query)``.
+    Given `query_labels` ``[A, H', r]`` (fp32, contiguous; `query` and `channels` become placeholders the
+    kernel does not read), or the decode `query` ``[B, Hq, d]`` and heavy `channels` ``[P, H_sel, r]``
+    whose labels the kernel gathers itself (group = Hq / H_sel query heads summed; `labels` a placeholder)."""
+    if query_labels is None:
+        query = query if query.stride(-1) == 1 else query.contiguous()
+        return query, query, channels.contiguous(), channels.shape[-1], query.shape[1] // channels.shape[1], True
+    labels = query_labels.float().contiguous()
+    return labels, labels, labels, labels.shape[-1], 1, False
 
 
 @triton.jit
