@@ -311,33 +311,10 @@ sweep() {  # sweep NAME ARGS...: `hshare sweep ... --out $RES/NAME`, resumable
   hshare sweep --device cuda --data-dir $D --out $RES/$1 "${@:2}" 2>&1 | grep -v "it/s\|s/it"
 }
 
-ruler_sweep() {  # ruler_sweep NAME SWEEP_YAML LENGTH TASKS: one RULER sweep, each task's documents built once
-  timeout --signal=TERM "$RULER_SECONDS" python3 - sweep --configs "$2" --tasks "$4" --ruler-lengths "$3" \
+ruler_sweep() {  # ruler_sweep NAME SWEEP_YAML LENGTH TASKS: one RULER sweep (each task's documents built once)
+  timeout --signal=TERM "$RULER_SECONDS" hshare sweep --configs "$2" --tasks "$4" --ruler-lengths "$3" \
     --limit "$LIMIT" --batch-size "$RULER_BATCH" --dtype "$DTYPE" --device cuda --data-dir $D --out $RES/$1 \
-    > $RES/$1.log 2>&1 <<'PY'
-import json, sys
-
-from lm_eval.api import task as lm_task
-
-built = {}
-download = lm_task.ConfigurableTask.download
-
-
-def download_once(self, dataset_kwargs=None, **kwargs):  # lm-eval rebuilds a task's documents for every config
-    if not callable(self.config.custom_dataset):
-        return download(self, dataset_kwargs, **kwargs)
-    key = (self.config.task, json.dumps(self.config.metadata, sort_keys=True, default=str))
-    if key not in built:
-        download(self, dataset_kwargs, **kwargs)
-        built[key] = self.dataset
-    self.dataset = built[key]
-
-
-lm_task.ConfigurableTask.download = download_once
-from hshare.cli import main
-
-sys.exit(main(sys.argv[1:]))
-PY
+    > $RES/$1.log 2>&1
   echo "$1: exit status $? (124: stopped after RULER_SECONDS)" >> $RES/$1.log
 }
 

@@ -4,6 +4,7 @@ QA tasks refused, nltk's downloader never called. No score is asserted."""
 
 from __future__ import annotations
 
+import importlib
 import random
 import re
 import sys
@@ -205,11 +206,11 @@ def test_configs_include_stock_tasks_with_model_tokenizer_and_lengths(model_dir,
         assert {m["aggregation"] for m in config["metric_list"]} == {f"{ruler.GLUE_MODULE}.aggregate_metrics"}
         assert metadata["tokenizer"] == str(out / "ruler_tokenizer")
         assert metadata[ruler.TOKENIZER_SOURCE_KEY] == str(model_dir)
+        assert config["custom_dataset"] == f"{ruler.GLUE_MODULE}.{name}"  # built once a process
         if name in ruler.ESSAY_TASKS:
-            assert config["custom_dataset"] == f"{ruler.GLUE_MODULE}.{name}"
             assert metadata[ruler.HAYSTACK_KEY] == str((data_dir / "text" / "war_and_peace.txt").resolve())
-        else:  # lm-eval's own builder, from the included stock YAML
-            assert "custom_dataset" not in config and ruler.HAYSTACK_KEY not in metadata
+        else:  # lm-eval's own builder, the one its stock YAML names
+            assert ruler.HAYSTACK_KEY not in metadata
     from transformers import AutoTokenizer
 
     saved = AutoTokenizer.from_pretrained(out / "ruler_tokenizer")
@@ -222,15 +223,18 @@ def test_configs_include_stock_tasks_with_model_tokenizer_and_lengths(model_dir,
     spec = importlib.util.spec_from_file_location("glue", out / f"{ruler.GLUE_MODULE}.py")
     glue = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(glue)
-    for name in ruler.ESSAY_TASKS:
-        assert getattr(glue, name).func is ruler.local_haystack_dataset and getattr(glue, name).args == (name,)
+    for name in ruler.SYNTHETIC_TASKS:
+        builder = ruler.LOCAL_HAYSTACK if name in ruler.ESSAY_TASKS else ruler.stock_builder(tasks.stock_task_yaml("ruler", name))
+        assert getattr(glue, name).func is ruler.documents_once and getattr(glue, name).args == (name, builder)
 
 
 def test_online_without_a_local_haystack_essay_tasks_keep_the_stock_one(model_dir, tmp_path, online):
     setup = prepare_tasks(["niah_multiquery"], None, tmp_path / "out",
                           RulerOptions(lengths=[1024], model_args={"pretrained": str(model_dir)}))
     config = read_yaml(Path(setup.include_path) / "niah_multiquery.yaml")
-    assert "custom_dataset" not in config  # lm-eval's own builder and haystack
+    assert config["custom_dataset"] == f"{ruler.GLUE_MODULE}.niah_multiquery"  # lm-eval's own builder and haystack
+    glue = (Path(setup.include_path) / f"{ruler.GLUE_MODULE}.py").read_text()
+    assert 'niah_multiquery = partial(documents_once, "niah_multiquery", "lm_eval.tasks.ruler.niah_utils.niah_multiquery")' in glue
     assert config["metadata"][ruler.HAYSTACK_KEY] == ruler.STOCK_HAYSTACK
     assert f"RULER essay haystack (niah_multiquery): {ruler.STOCK_HAYSTACK}" in setup.notes
 
@@ -399,3 +403,28 @@ def test_python_evaluate_runs_ruler(model_dir, data_dir, hub_offline, no_nltk_do
                       gen_kwargs={"max_gen_toks": 4}, ruler_lengths=[LENGTH])
     assert 0.0 <= result.scores["niah_single_2"][f"{LENGTH},none"] <= 1.0
     assert result.work["decode_steps"] > 0
+
+
+def test_documents_are_built_once_per_task_and_metadata(monkeypatch):
+    monkeypatch.setattr(ruler, "_DOCUMENTS", {})
+    calls = []
+    monkeypatch.setattr(ruler, "local_haystack_dataset", lambda task, **metadata: calls.append((task, metadata)) or
+                        {"test": object()})
+    first = ruler.documents_once("niah_single_2", ruler.LOCAL_HAYSTACK, max_seq_lengths=[4096], tokenizer="t")
+    again = ruler.documents_once("niah_single_2", ruler.LOCAL_HAYSTACK, tokenizer="t", max_seq_lengths=[4096])
+    other = ruler.documents_once("niah_single_2", ruler.LOCAL_HAYSTACK, max_seq_lengths=[8192], tokenizer="t")
+    assert first is again and other is not first and len(calls) == 2
+    built = ruler.documents_once("niah_single_1", "collections.OrderedDict", max_seq_lengths=[4096])
+    assert built == {"max_seq_lengths": [4096]} and built is ruler.documents_once("niah_single_1",
+                                                                                   "collections.OrderedDict",
+                                                                                   max_seq_lengths=[4096])
+
+
+@pytest.mark.parametrize("name,builder", [("niah_single_1", "niah_utils.niah_single_1"),
+                                          ("ruler_vt", "vt_utils.get_vt_dataset"),
+                                          ("ruler_cwe", "cwe_utils.get_cw_dataset")])
+def test_each_task_builds_with_lm_evals_own_builder(name, builder):
+    path = ruler.stock_builder(tasks.stock_task_yaml("ruler", name))
+    assert path == f"lm_eval.tasks.ruler.{builder}"
+    module, _, function = path.rpartition(".")
+    assert callable(getattr(importlib.import_module(module), function))
