@@ -230,7 +230,7 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
 def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, query: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Heavy columns ``[B, H_sel, heavy]`` and candidates ``[B, H_sel, C]`` of one layer at a selection step
-    with candidate-set refinement (`HShareConfig.candidates`).
+    with candidate-set refinement (`SharingConfig.candidates`).
 
     The rows for which this layer is a source score every column with its source heads and keep their top C
     as candidates, and the top `heavy` of those as their heavy columns; copying heads take their source

@@ -45,7 +45,7 @@ class HShareLayer(CacheLayerMixin):
             after prefill).
         heavy: ``[B, H_sel, heavy]`` heavy columns of the last selection (query groups reuse them).
         candidates: ``[B, H_sel, C]`` candidate columns of the last selection, which reusing layers, heads
-            and steps refine (`HShareConfig.candidates`; None without refinement).
+            and steps refine (`SharingConfig.candidates`; None without refinement).
         prefix_width: columns held by the cache's shared-prefix store before this layer's own
             columns (counted in the sequence length transformers sees).
         column: static shapes: ``[1]`` int64 device tensor, the column the decode token is written

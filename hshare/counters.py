@@ -29,7 +29,7 @@ class DecodeStats:
         selection_steps: decode steps that (re)selected critical tokens (query groups).
         score_computations: (row, layer, selection head) scorings done (label or page scores) of every
             cached column.
-        refinements: (row, layer, selection head) candidate-set refinements done (`HShareConfig.candidates`):
+        refinements: (row, layer, selection head) candidate-set refinements done (`SharingConfig.candidates`):
             scorings of a shared candidate set only.
         plans: sharing plans built (one per generate when layers or heads share).
         scored_tokens: tokens whose approximate score was computed (labels policy): summed over

@@ -153,7 +153,7 @@ class SelectionPolicy(ABC):
                          heads: torch.Tensor | None = None) -> torch.Tensor:
         """Scores ``[B', H', C]`` of candidate columns ``[B', H', C]`` (negative entries: any value, the caller
         masks them) for the decode query ``[B, Hq, d]`` of rows ``[B']`` (None = all) and selection heads
-        ``[B' or 1, H']`` (None = all H_sel): candidate-set refinement (`HShareConfig.candidates`). Ranked as
+        ``[B' or 1, H']`` (None = all H_sel): candidate-set refinement (`SharingConfig.candidates`). Ranked as
         `decode_scores` ranks the same columns. The default scores every column and gathers the candidates
         (correct, not cheaper: the counters then count every unit); a policy that reads only the
         candidates' metadata overrides it (`scores_candidates`)."""

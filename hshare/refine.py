@@ -1,4 +1,4 @@
-"""Candidate-set refinement (`HShareConfig.candidates`): selections share a candidate set, not their
+"""Candidate-set refinement (`SharingConfig.candidates`): selections share a candidate set, not their
 final columns.
 
 A selecting head scores every column, keeps its top C (> heavy) middle-window columns as candidates

@@ -79,7 +79,7 @@ class LayerShare:
 
     def refinements(self, batch: int) -> int:
         """(row, selection head) candidate refinements this layer computes at a selection step of `batch`
-        rows (`HShareConfig.candidates`): the copying heads of its selecting rows, every head of its
+        rows (`SharingConfig.candidates`): the copying heads of its selecting rows, every head of its
         copying rows."""
         rows = batch if self.select_rows is None else len(self.select_rows)
         return rows * self.copy_heads.shape[1] + (batch - rows) * (self.source_heads.shape[1] + self.copy_heads.shape[1])

@@ -1,4 +1,4 @@
-"""Candidate-set refinement (`HShareConfig.candidates`, `hshare.refine`) against brute force: a reusing step,
+"""Candidate-set refinement (`SharingConfig.candidates`, `hshare.refine`) against brute force: a reusing step,
 head or layer keeps the top `heavy` of its own label scores restricted to its source's candidates, with
 the sink and local windows; the counters count the candidate rows it scores."""
 
