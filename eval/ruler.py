@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import json
 import logging
 import os
 import re

@@ -194,28 +194,15 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
     config = cache.config
     layer = cache.layers[layer_idx]
     share = step.shares[layer_idx]
-    batch = query.shape[0]
     heavy = None
     rows = share.select_rows
     if rows is None or len(rows):
-        middle = step.windows.selectable
-        source_heads, head_slot = share.source_heads, share.head_slot
-        if rows is not None:
-            middle = middle.index_select(0, rows)
-            if source_heads.shape[0] > 1:
-                source_heads, head_slot = source_heads.index_select(0, rows), head_slot.index_select(0, rows)
-        count = middle.shape[0]
+        middle, source_heads, head_slot, _ = _source_rows(share, step.windows.selectable)
         heads = None if share.all_heads else source_heads
         chosen = layer.policy.decode_heavy(query[:, :, 0], middle, config.budget.heavy, rows=rows, heads=heads)
         if not share.all_heads:
-            slots = head_slot.expand(count, -1)[..., None].expand(-1, -1, config.budget.heavy)
-            chosen = chosen.gather(1, slots)
-        if rows is None:
-            heavy = chosen
-        else:
-            heavy = torch.full((batch, cache.sel_heads, config.budget.heavy), NO_TOKEN, dtype=torch.long,
-                               device=query.device)
-            heavy[rows] = chosen
+            chosen = _per_head(chosen, head_slot)
+        heavy = _in_batch(chosen, rows, query.shape[0])
     for source_layer, copy_rows in share.copy_groups:
         source = cache.layers[source_layer].heavy
         if copy_rows is None:
@@ -240,44 +227,61 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
     config = cache.config
     layer = cache.layers[layer_idx]
     share = step.shares[layer_idx]
-    batch, count = query.shape[0], config.candidate_count
+    batch, count, kept = query.shape[0], config.candidate_count, config.budget.heavy
     decode_query = query[:, :, 0]
     window = step.windows.selectable
     heavy = candidates = None
     rows = share.select_rows
     if rows is None or len(rows):
-        middle = window if rows is None else window.index_select(0, rows)
-        source_heads, head_slot, copy_heads = share.source_heads, share.head_slot, share.copy_heads
-        if rows is not None and source_heads.shape[0] > 1:
-            source_heads, head_slot = source_heads.index_select(0, rows), head_slot.index_select(0, rows)
-            copy_heads = copy_heads.index_select(0, rows)
+        middle, source_heads, head_slot, copy_heads = _source_rows(share, window)
         scores = layer.policy.decode_scores(decode_query, rows=rows, heads=None if share.all_heads else source_heads)
-        chosen, picked = select_candidates(scores, middle, count, config.budget.heavy)
+        chosen, picked = select_candidates(scores, middle, count, kept)
         if not share.all_heads:  # every head's source candidates; copying heads refine them
-            rows_here = chosen.shape[0]
-            picked = picked.gather(1, head_slot.expand(rows_here, -1)[..., None].expand(-1, -1, count))
-            chosen = chosen.gather(1, head_slot.expand(rows_here, -1)[..., None].expand(-1, -1, config.budget.heavy))
-            copies = copy_heads.expand(rows_here, -1)
+            picked, chosen = _per_head(picked, head_slot), _per_head(chosen, head_slot)
+            copies = copy_heads.expand(chosen.shape[0], -1)
             refined = refine_candidates(layer.policy, decode_query, picked.gather(
-                1, copies[..., None].expand(-1, -1, count)), middle, config.budget.heavy, rows=rows, heads=copy_heads)
-            chosen = chosen.scatter(1, copies[..., None].expand(-1, -1, config.budget.heavy), refined)
-        if rows is None:
-            heavy, candidates = chosen, picked
-        else:
-            heavy = torch.full((batch, cache.sel_heads, config.budget.heavy), NO_TOKEN, dtype=torch.long, device=query.device)
-            candidates = torch.full((batch, cache.sel_heads, count), NO_TOKEN, dtype=torch.long, device=query.device)
-            heavy[rows], candidates[rows] = chosen, picked
+                1, copies[..., None].expand(-1, -1, count)), middle, kept, rows=rows, heads=copy_heads)
+            chosen = chosen.scatter(1, copies[..., None].expand(-1, -1, kept), refined)
+        heavy, candidates = _in_batch(chosen, rows, batch), _in_batch(picked, rows, batch)
     for source_layer, copy_rows in share.copy_groups:
         source = cache.layers[source_layer].candidates
         if copy_rows is None:
             candidates = source
-            heavy = refine_candidates(layer.policy, decode_query, source, window, config.budget.heavy)
+            heavy = refine_candidates(layer.policy, decode_query, source, window, kept)
         else:
             if heavy is None:
-                heavy = torch.full((batch, cache.sel_heads, config.budget.heavy), NO_TOKEN, dtype=torch.long,
-                                   device=query.device)
+                heavy = torch.full((batch, cache.sel_heads, kept), NO_TOKEN, dtype=torch.long, device=query.device)
                 candidates = torch.full_like(source, NO_TOKEN)
             candidates[copy_rows] = source[copy_rows]
             heavy[copy_rows] = refine_candidates(layer.policy, decode_query, source[copy_rows],
-                                                 window.index_select(0, copy_rows), config.budget.heavy, rows=copy_rows)
+                                                 window.index_select(0, copy_rows), kept, rows=copy_rows)
     return heavy, candidates
+
+
+def _source_rows(share, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the rows for which a layer is a source (``share.select_rows``, None = all) select with:
+    their selectable windows ``[B', n]`` and their source heads ``[P, n_src]``, head slots ``[P, H_sel]``
+    and copying heads ``[P, H_sel - n_src]`` (P = 1 for a batch plan, else one entry per row)."""
+    rows = share.select_rows
+    source_heads, head_slot, copy_heads = share.source_heads, share.head_slot, share.copy_heads
+    if rows is None:
+        return window, source_heads, head_slot, copy_heads
+    if source_heads.shape[0] > 1:
+        source_heads, head_slot = source_heads.index_select(0, rows), head_slot.index_select(0, rows)
+        copy_heads = copy_heads.index_select(0, rows)
+    return window.index_select(0, rows), source_heads, head_slot, copy_heads
+
+
+def _per_head(columns: torch.Tensor, head_slot: torch.Tensor) -> torch.Tensor:
+    """``[B', n_src, k]`` columns of the source heads -> ``[B', H_sel, k]``: each head its source's."""
+    slots = head_slot.expand(columns.shape[0], -1)[..., None].expand(-1, -1, columns.shape[-1])
+    return columns.gather(1, slots)
+
+
+def _in_batch(columns: torch.Tensor, rows: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """``[B', H_sel, k]`` columns of rows `rows` (None = all) as ``[B, H_sel, k]``, ``NO_TOKEN`` elsewhere."""
+    if rows is None:
+        return columns
+    full = torch.full((batch, *columns.shape[1:]), NO_TOKEN, dtype=columns.dtype, device=columns.device)
+    full[rows] = columns
+    return full

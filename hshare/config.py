@@ -548,8 +548,8 @@ class HShareConfig:
             elif key in SECTIONS and not isinstance(value, str):
                 raise ConfigError(f"HShareConfig.{key} = {value!r} is invalid; accepted: a "
                                   f"{SECTIONS[key].__name__} or a mapping of its fields")
-            else:
-                options[{"policy": "policy.name", "prefix": "prefix.mode", "planner": "planner.method"}.get(key, key)] = value
+            else:  # a section's name given a value (policy="quest", prefix="off"): its main option, dotted
+                options[".".join(OPTION_NAMES[key]) if key in OPTION_NAMES and key in (*SECTIONS, "policy") else key] = value
         return HShareConfig(**kwargs, **options)
 
     def to_dict(self) -> dict[str, Any]:
