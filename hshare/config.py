@@ -545,11 +545,11 @@ class HShareConfig:
                 options.update({f"{key}.{name}": v for name, v in value.items()})
             elif key == "budget" and isinstance(value, int) and not isinstance(value, bool):
                 kwargs[key] = value  # N_c, split as `BudgetConfig.split`
-            elif key in SECTIONS and not isinstance(value, str):
+            elif key in SECTIONS and not (isinstance(value, str) and key in OPTION_NAMES):
                 raise ConfigError(f"HShareConfig.{key} = {value!r} is invalid; accepted: a "
                                   f"{SECTIONS[key].__name__} or a mapping of its fields")
             else:  # a section's name given a value (policy="quest", prefix="off"): its main option, dotted
-                options[".".join(OPTION_NAMES[key]) if key in OPTION_NAMES and key in (*SECTIONS, "policy") else key] = value
+                options[".".join(OPTION_NAMES[key]) if key in (*SECTIONS, "policy") else key] = value
         return HShareConfig(**kwargs, **options)
 
     def to_dict(self) -> dict[str, Any]:

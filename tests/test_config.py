@@ -163,5 +163,7 @@ def test_an_invalid_value_names_its_section_field_and_the_option_as_given():
         HShareConfig(sharing={"layr": 0.5})
     with pytest.raises(ConfigError, match="'page_size' belongs to the 'quest' policy, but the config's policy is 'labels'"):
         resolve_config("ds", page_size=8)
+    with pytest.raises(ConfigError, match="HShareConfig.budget = 'x' is invalid; accepted: a BudgetConfig"):
+        HShareConfig().replace(budget="x")
     with pytest.raises(ConfigError, match="sparse_prefill = True with prefix.mode = 'on'"):
         HShareConfig(sparse_prefill=True, prefix="on")
