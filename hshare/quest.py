@@ -29,6 +29,10 @@ generation can reach is allocated once (sentinels), `freeze` makes the scores co
 all reserved columns at every step, and `write` folds the step's key into its page at a column
 held in a device tensor.
 
+A selection step (`QuestPageCache.decode_heavy`) never builds those keys: it sorts the P page scores
+and finds each heavy slot's page and column by two searches over cumulative counts, O(P log P + heavy
+log n) per (row, head) instead of a key and a top-k over every column.
+
 All of it is plain PyTorch (CPU and CUDA alike); nothing here goes through the label kernels.
 """
 
@@ -41,6 +45,7 @@ import torch
 
 from hshare.config import HShareConfig, PolicyConfig, check_int
 from hshare.policy import SelectionPolicy, register_policy
+from hshare.kernels import NO_TOKEN
 
 if TYPE_CHECKING:
     from hshare.buffer import GrowingBuffer
@@ -262,3 +267,30 @@ class QuestPageCache(SelectionPolicy):
                       heads: torch.Tensor | None = None) -> torch.Tensor:
         """Ranking keys ``[B', H', n]`` for the decode query ``[B, Hq, d]`` of some rows and heads."""
         return self.token_keys(self.page_scores(query[:, :, None], rows, heads)[:, :, 0], rows)
+
+    def decode_heavy(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int, rows: torch.Tensor | None = None,
+                     heads: torch.Tensor | None = None) -> torch.Tensor:
+        """The heavy columns ``[B', H', heavy]`` of a selection step from the page scores alone: the set the
+        top-`heavy` of `decode_scores` over the selectable window ``[B', n]`` takes (the selectable columns of
+        the best pages, page after page, the last page cut after its first columns; ``NO_TOKEN`` past the
+        window's size), without a key per column: the P page scores are sorted, and each heavy slot finds
+        its page by a search over the sorted pages' cumulative counts of selectable columns and its column by
+        a search over the row's cumulative count."""
+        scores = self.page_scores(query[:, :, None], rows, heads)[:, :, 0]  # [B', H', P]
+        count, width, pages = scores.shape
+        device = scores.device
+        shift = self.shift if rows is None else self.shift.index_select(0, rows)
+        page_of = (torch.arange(selectable.shape[-1], device=device)[None, :] + shift[:, None]) // self.page_size
+        selectable = selectable.long()
+        per_page = torch.zeros(count, pages, dtype=torch.long, device=device).scatter_add_(1, page_of, selectable)
+        before = per_page.cumsum(-1) - per_page  # [B', P] selectable columns in earlier pages
+        order = scores.sort(dim=-1, descending=True, stable=True).indices  # ties: the earlier page first
+        in_order = per_page[:, None].expand(count, width, pages).gather(-1, order)
+        reach = in_order.cumsum(-1)  # [B', H', P] selectable columns up to each ranked page
+        slot = torch.arange(heavy, device=device).expand(count, width, heavy).contiguous()
+        ranked = torch.searchsorted(reach, slot, right=True).clamp(max=pages - 1)  # the page holding each slot
+        page = order.gather(-1, ranked)
+        offset = slot - (reach.gather(-1, ranked) - in_order.gather(-1, ranked))  # its rank inside the page
+        rank = before[:, None].expand(count, width, pages).gather(-1, page) + offset  # its rank in the row
+        column = torch.searchsorted(selectable.cumsum(-1), (rank + 1).reshape(count, -1)).reshape(rank.shape)
+        return torch.where(slot < reach[..., -1:], column, torch.full_like(column, NO_TOKEN))

@@ -172,6 +172,45 @@ def test_the_heavy_budget_takes_whole_best_pages():
             assert got == sorted(expected[:heavy]), (b, h)
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("page_size", [1, 3, 4])
+def test_decode_heavy_takes_the_set_of_the_ranking_keys(seed, page_size):
+    """`decode_heavy` (page scores sorted, slots found by searches) = the top-`heavy` of the per-column
+    ranking keys over any selectable mask (holes, short windows, empty rows), for rows and heads subsets,
+    with tied pages (repeated keys) and a budget larger than the window."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [int(x) for x in torch.randint(5, 40, (3,), generator=gen)]
+    keys, valid = random_keys(lengths, decoded=3, kv_heads=2, dtype=torch.float32, seed=seed)
+    keys[:, :, 10:20] = keys[:, :, :1]  # equal pages: ties broken toward the earlier page
+    cache = filled_cache(keys, valid, 4 if seed % 2 else 2, page_size, prompt=max(lengths))
+    query = torch.randn(3, 4, 8, generator=gen)
+    n = keys.shape[2]
+    selectable = valid & (torch.rand(3, n, generator=gen) < (0.5 if seed % 3 else 1.0))
+    selectable[2, :] = selectable[2, :] & (seed != 4)  # an empty window
+    for heavy in (1, 7, n + 3):
+        for rows, heads in ((None, None), (torch.tensor([2, 0]), torch.tensor([[1, 0]])),
+                            (torch.tensor([1]), torch.tensor([[cache.sel_heads - 1]]))):
+            window = selectable if rows is None else selectable.index_select(0, rows)
+            got = cache.decode_heavy(query, window, heavy, rows, heads)
+            expected = select_heavy(cache.decode_scores(query, rows, heads), window[:, None], heavy)
+            assert got.shape == expected.shape
+            assert torch.equal(got.sort(-1).values, expected.sort(-1).values), (heavy, rows)
+
+
+def test_decode_heavy_with_static_pages():
+    """Frozen (static-shape) pages: every reserved page slot is ranked, unreached slots hold nothing."""
+    keys, valid = random_keys([12, 7], decoded=0, seed=9)
+    cache = QuestPageCache(2, 2, 4, reserve=30)
+    cache.append(keys, valid)
+    cache.freeze(30)
+    query = torch.randn(2, 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    selectable = torch.zeros(2, 30, dtype=torch.bool)
+    selectable[:, :12] = valid
+    got = cache.decode_heavy(query, selectable, 6)
+    expected = select_heavy(cache.decode_scores(query), selectable[:, None], 6)
+    assert torch.equal(got.sort(-1).values, expected.sort(-1).values)
+
+
 def test_quest_is_a_selection_policy():
     assert isinstance(QuestPageCache(2, 2, 16), SelectionPolicy)
     assert HShareConfig.from_preset("quest").policy.name == "quest"
