@@ -7,6 +7,10 @@
 # One GPU (benchmarks/RESULTS.md); logs and JSON under $OUT:
 #   suite      the whole fast test suite on the GPU, gpu_check.py, `hshare bench prefix` and `bench attention`
 #   tests      the GPU tests of static decode, prefill metadata and the decode kernels
+#   selection  the GPU tests of the fused label top-k (candidates too), candidate-set refinement and Quest
+#   crossover  shared prefix or per-row dense decode attention under CUDA graphs (prefix_crossover.py)
+#   refine32k  Llama-3-8B shape B4 x 32k (one row in four padded), 64 new tokens timed per step:
+#              1/2-1/2-1/2, hshare-refine and quest at N_c 1024 as configured by default
 #   llama2     `hshare bench generate`, Llama-2-7B shape, B16, 4k prompts, 256 new: StaticCache, dense, ds@512,
 #              hshare-1_2-1_2-1_2@512; LLAMA2_PATHS overrides the paths, REPEATS the timed pairs (default 3)
 #   unfused    the same shape, dense and 1/2-1/2-1/2@512 also with compile_elementwise off
@@ -110,6 +114,14 @@ one_gpu_part() {
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_static_decode.py tests/test_prefill_metadata.py \
         tests/test_kernels_triton.py -k "static or labels or critical or prefill_metadata or heavy_topk or select_heavy" \
         2>&1 | tail -25 | tee "$OUT/pytest_gpu_static.log" ;;
+    selection)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_label_topk.py tests/test_refine.py tests/test_quest.py \
+        2>&1 | tail -25 | tee "$OUT/pytest_gpu_selection.log" ;;
+    crossover)
+      timeout 300 python3 benchmarks/prefix_crossover.py 2>&1 | tee "$OUT/prefix_crossover.log" ;;
+    refine32k)
+      grid 300 --shapes llama3-8b --rows 4 --prompts 32k --new-tokens 64 --padded --name refine_b4_p32k \
+        --paths "$HS@1024,hshare-refine@1024,quest@1024" ;;
     llama2)
       bench 500 "${LLAMA2[@]}" --paths "${LLAMA2_PATHS:-static,dense,$HS@512,ds@512}" ;;
     unfused)

@@ -32,7 +32,7 @@ from hshare.cache import HShareCache, HShareLayer
 from hshare.step import DecodeStep
 from hshare.heads import head_shard
 from hshare.kernels import attention_with_lse, gather_attention, merge_attention_states, split_decode_attention
-from hshare.refine import refine_candidates, select_candidates
+from hshare.refine import select_candidates
 from hshare.selection import NO_TOKEN, valid_columns_from_mask
 from hshare.sparse_prefill import sparse_prefill_attention
 
@@ -87,8 +87,8 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             heavy = _select_heavy_columns(cache, step, layer_idx, query)
         _keep(cache, layer, "heavy", heavy)
     elif layer.candidates is not None:  # a reuse step refines the candidates with its own query
-        _keep(cache, layer, "heavy", refine_candidates(layer.policy, query[:, :, 0], layer.candidates,
-                                                       step.windows.middle, cache.config.budget.heavy))
+        _keep(cache, layer, "heavy", layer.policy.candidate_heavy(query[:, :, 0], layer.candidates,
+                                                                  step.windows.middle, cache.config.budget.heavy))
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
         layer.heavy = torch.full((query.shape[0], cache.sel_heads, cache.config.budget.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
@@ -222,7 +222,7 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
     The rows for which this layer is a source score every column with its source heads and keep their top C
     as candidates, and the top `heavy` of those as their heavy columns; copying heads take their source
     head's candidates, copying layers their source layer's, and each refines them with its own query
-    (`hshare.refine.refine_candidates`).
+    (`SelectionPolicy.candidate_heavy`).
     """
     config = cache.config
     layer = cache.layers[layer_idx]
@@ -234,12 +234,12 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
     rows = share.select_rows
     if rows is None or len(rows):
         middle, source_heads, head_slot, copy_heads = _source_rows(share, window)
-        scores = layer.policy.decode_scores(decode_query, rows=rows, heads=None if share.all_heads else source_heads)
-        chosen, picked = select_candidates(scores, middle, count, kept)
+        chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows,
+                                           heads=None if share.all_heads else source_heads)
         if not share.all_heads:  # every head's source candidates; copying heads refine them
             picked, chosen = _per_head(picked, head_slot), _per_head(chosen, head_slot)
             copies = copy_heads.expand(chosen.shape[0], -1)
-            refined = refine_candidates(layer.policy, decode_query, picked.gather(
+            refined = layer.policy.candidate_heavy(decode_query, picked.gather(
                 1, copies[..., None].expand(-1, -1, count)), middle, kept, rows=rows, heads=copy_heads)
             chosen = chosen.scatter(1, copies[..., None].expand(-1, -1, kept), refined)
         heavy, candidates = _in_batch(chosen, rows, batch), _in_batch(picked, rows, batch)
@@ -247,14 +247,14 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
         source = cache.layers[source_layer].candidates
         if copy_rows is None:
             candidates = source
-            heavy = refine_candidates(layer.policy, decode_query, source, window, kept)
+            heavy = layer.policy.candidate_heavy(decode_query, source, window, kept)
         else:
             if heavy is None:
                 heavy = torch.full((batch, cache.sel_heads, kept), NO_TOKEN, dtype=torch.long, device=query.device)
                 candidates = torch.full_like(source, NO_TOKEN)
             candidates[copy_rows] = source[copy_rows]
-            heavy[copy_rows] = refine_candidates(layer.policy, decode_query, source[copy_rows],
-                                                 window.index_select(0, copy_rows), kept, rows=copy_rows)
+            heavy[copy_rows] = layer.policy.candidate_heavy(decode_query, source[copy_rows],
+                                                            window.index_select(0, copy_rows), kept, rows=copy_rows)
     return heavy, candidates
 
 

@@ -52,6 +52,10 @@ PREFIX_MODES = ("auto", "on", "off")
 # (`RuntimeConfig.sparse_min_saved_bytes`): replayed as CUDA graphs, and eager (host launch cost per
 # layer). Calibrated by `hshare bench grid`.
 AUTO_MIN_SAVED_MIB = {"graphs": 96.0, "eager": 768.0}
+# The token reads per layer and step a shared prefix level must save for ``prefix="auto"`` to hold it
+# once (`PrefixConfig.min_saved`): decode steps replayed as CUDA graphs (both paths one launch; calibrated
+# by ``benchmarks/prefix_crossover.py``), and eager or off CUDA (the shared step's host launch cost).
+AUTO_PREFIX_MIN_SAVED_TOKENS = {"graphs": 2048, "eager": 131072}
 
 
 class ConfigError(ValueError):
@@ -277,7 +281,9 @@ class PrefixConfig:
         min_tokens: shortest prefix (level 1) or group extension (level 2) stored once.
         min_batch: fewest rows that must share a level for "auto" to store it once.
         min_saved_tokens: fewest KV token reads per layer and step, (rows - 1) x shared tokens, a
-            level must save for "auto" (below it the shared step is slower than per-row dense).
+            level must save for "auto" (below it the shared step is slower than per-row dense). None =
+            auto (`min_saved`): `AUTO_PREFIX_MIN_SAVED_TOKENS` for decode steps replayed as CUDA graphs,
+            or run eagerly (and off CUDA).
         levels: 1 (one prefix for all rows) or 2 (plus groups of rows sharing more, e.g. the samples
             of each question after a common few-shot prefix).
     """
@@ -285,15 +291,23 @@ class PrefixConfig:
     mode: str = "auto"
     min_tokens: int = 256
     min_batch: int = 2
-    min_saved_tokens: int = 131072
+    min_saved_tokens: int | None = None
     levels: int = 2
 
     def __post_init__(self) -> None:
         check_choice("prefix.mode", self.mode, PREFIX_MODES)
         check_int("prefix.min_tokens", self.min_tokens, 1)
         check_int("prefix.min_batch", self.min_batch, 1)
-        check_int("prefix.min_saved_tokens", self.min_saved_tokens, 0)
+        if self.min_saved_tokens is not None:
+            check_int("prefix.min_saved_tokens", self.min_saved_tokens, 0)
         check_int("prefix.levels", self.levels, 1, 2)
+
+    def min_saved(self, device: torch.device, graphs: bool) -> int:
+        """The token reads per layer and step a level must save for "auto" on `device`, for decode steps
+        replayed as CUDA graphs or run eagerly (`min_saved_tokens`)."""
+        if self.min_saved_tokens is not None:
+            return self.min_saved_tokens
+        return AUTO_PREFIX_MIN_SAVED_TOKENS["graphs" if graphs and device.type == "cuda" else "eager"]
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import torch
 
 from hshare.channels import dynamic_channels, resolve_calibration
 from hshare.config import ConfigError, HShareConfig, PolicyConfig, check_choice, check_int
-from hshare.kernels import (append_labels, candidate_label_scores, decode_label_scores, decode_label_topk, label_scores,
-                            label_storage_dtype, query_labels, use_triton)
+from hshare.kernels import (append_labels, candidate_label_scores, candidate_label_topk, decode_label_scores,
+                            decode_label_topk, label_scores, label_storage_dtype, query_labels, use_triton)
 from hshare.policy import SelectionPolicy, register_policy
 
 if TYPE_CHECKING:
@@ -196,6 +196,13 @@ class LabelCache(SelectionPolicy):
             return super().decode_heavy(query, selectable, heavy, rows, heads)
         return decode_label_topk(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
                                  self.bits, heavy, selectable=selectable, rows=rows, heads=heads)
+
+    def candidate_heavy(self, query: torch.Tensor, candidates: torch.Tensor, window: torch.Tensor, heavy: int,
+                        rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """The candidates' label scores and their top `heavy` in one operation (`kernels.candidate_label_topk`;
+        CUDA: one launch, the ``[B', H', C]`` scores never written)."""
+        return candidate_label_topk(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
+                                    self.bits, heavy, candidates, window, rows, heads)
 
     def candidate_scores(self, query: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | None = None,
                          heads: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from hshare.buffer import GrowingBuffer
 from hshare.config import ConfigError, HShareConfig, PolicyConfig
-from hshare.kernels import select_heavy
+from hshare.kernels import NO_TOKEN, select_heavy
 
 if TYPE_CHECKING:
     from hshare.heads import HeadShard
@@ -158,6 +158,20 @@ class SelectionPolicy(ABC):
         (correct, not cheaper: the counters then count every unit); a policy that reads only the
         candidates' metadata overrides it (`scores_candidates`)."""
         return self.decode_scores(query, rows, heads).gather(-1, columns.clamp(min=0))
+
+    def candidate_heavy(self, query: torch.Tensor, candidates: torch.Tensor, window: torch.Tensor, heavy: int,
+                        rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """The heavy columns ``[B', H', heavy]`` of a refinement: the `heavy` best candidates ``[B', H', C]``
+        (negative entries: none) that lie in the window ``[B', n]`` (bool), by this query's own
+        `candidate_scores`, for the decode query ``[B, Hq, d]`` of rows ``[B']`` (None = all) and selection
+        heads ``[B' or 1, H']`` (None = all); ``NO_TOKEN`` where fewer are allowed. The set is the contract.
+        A policy that scores and selects candidates in one pass overrides it."""
+        scores = self.candidate_scores(query, candidates, rows, heads)
+        safe = candidates.clamp(min=0)
+        allowed = (candidates >= 0) & window[:, None].expand(-1, candidates.shape[1], -1).gather(-1, safe)
+        position = select_heavy(scores, allowed, heavy)
+        return torch.where(position >= 0, candidates.gather(-1, position.clamp(min=0)),
+                           torch.full_like(position, NO_TOKEN))
 
     def write(self, column: torch.Tensor, keys: torch.Tensor) -> None:
         """Static shapes: the metadata of the key at the column held in the ``[1]`` int64 device

@@ -55,9 +55,10 @@ def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple
     if min(len(p) for p in prompts) < 2:
         return None
     forced = config.prefix.mode == "on"
+    graphs = cache.static_decode is not None and not cache.static_decode.reason  # steps will replay as graphs
     shared = detect_shared_prefix(prompts, 1 if forced else config.prefix.min_tokens,
                                   1 if forced else config.prefix.min_batch, config.prefix.levels,
-                                  0 if forced else config.prefix.min_saved_tokens)
+                                  0 if forced else config.prefix.min_saved(input_ids.device, graphs))
     if shared.empty:
         return None
     pad = generation_setting(model, kwargs, "pad_token_id")

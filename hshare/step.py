@@ -383,7 +383,8 @@ class StepPlanner:
     def _count_scorings(self, cache: HShareCache, plan: StepPlan) -> None:
         """Host counters of a sparse step: (row, layer, head) scorings and candidate refinements, and the
         units they scored, in the policy's own unit (`SelectionPolicy.unit`; a scoring scores
-        `SelectionPolicy.scored_units` after the step's token, the same for every sparse layer; a refinement
+        `SelectionPolicy.scored_units` after the step's token, the same for every sparse layer, plus its C
+        candidates again with `SharingConfig.candidates` (`hshare.refine.select_candidates`); a refinement
         C units, or every unit for a policy without `SelectionPolicy.candidate_scores`). O(1): the work of
         a step of each kind is summed per plan."""
         rows, count = cache.rows, self.config.candidate_count
@@ -402,7 +403,10 @@ class StepPlanner:
         units = policy.scored_units()
         self.counts.score_computations += scorings
         self.counts.refinements += refinements
-        scored = scorings * units + refinements * (count if policy.scores_candidates else units)
+        # a scoring scores every unit; with candidates, a policy that scores them alone picks the selecting
+        # head's heavy among its C by scoring them again; a refinement scores C (or every unit)
+        again = count if policy.scores_candidates else 0
+        scored = scorings * (units + again) + refinements * (count if policy.scores_candidates else units)
         if policy.unit == "pages":
             self.counts.scored_pages += scored
         else:

@@ -6,7 +6,7 @@ A selection step scores every cached token of a (row, source head) on its label 
 ``[A, H', n]`` fp32 scores need not be written and read back: a selection costs the bytes of the
 labels it scores.
 
-Contract (every function of this module):
+Contract (`label_topk`, `decode_label_topk` and their twins):
 
 * inputs: the query labels ``[A, H', r]`` (`label_topk`), or the decode query ``[B, Hq, d]`` and the
   heavy channels ``[P, H_sel, r]`` whose labels are gathered as `labels.query_labels` does
@@ -27,6 +27,12 @@ kernels (`label_topk_triton`: one launch when a row fits one chunk, else two, no
 tensor), everything else (the CPU path, the test oracle, fp64) to the twins `label_topk_torch` /
 `decode_label_topk_torch`, which score every column (`labels.score_heads_torch`) and select with
 `select_heavy_columns_torch`.
+
+`candidate_label_topk` (candidate-set refinement) is the same selection over a given list of candidate
+columns per (row, head) instead of every column: its "window" is the candidates in `selectable`, its
+columns come in candidate order (ascending when the candidates are), ties go to the earlier candidate.
+CUDA: one launch of `label_topk_triton.candidate_label_topk_triton`; the twin
+`candidate_label_topk_torch` scores the candidates (`labels.candidate_label_scores`).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import torch
 
 from .critical_indices import NO_TOKEN
 from .dispatch import use_triton
-from .labels import query_labels as gather_query_labels, score_heads_torch
+from .labels import candidate_label_scores, query_labels as gather_query_labels, score_heads_torch
 
 
 def label_topk(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
@@ -86,6 +92,49 @@ def decode_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: torch.
     return decode_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, window, selectable, rows, heads)
 
 
+def candidate_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
+                         zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor,
+                         selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                         heads: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-`heavy` of candidate columns by the decode query's label scores (candidate-set refinement).
+
+    Args:
+        query, channels, codes, scale, zero, bits, heavy, rows, heads: as `decode_label_topk`.
+        candidates: ``[A, H', C]`` candidate columns per (row, head); a negative entry is no candidate.
+        selectable: ``[A, n]`` bool, the columns a candidate must lie in (None = all).
+
+    Returns:
+        ``[A, H', heavy]`` int64: the columns of the ``min(heavy, allowed)`` best-scored allowed candidates
+        (in a selectable column, finite score) in candidate order, then ``NO_TOKEN``; among equal scores at
+        the heavy-th the earlier candidates are chosen. Only the candidates' label rows are read (CUDA: one
+        Triton launch, `label_topk_triton.candidate_label_topk_triton`, up to its ``MAX_CANDIDATES``).
+    """
+    if _runs_triton(query, codes, bits, heavy, channels.shape[-1]):
+        from .label_topk_triton import MAX_CANDIDATES, candidate_label_topk_triton
+
+        if candidates.shape[-1] <= MAX_CANDIDATES:
+            rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
+            return candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, rows,
+                                               heads, selectable)
+    return candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, selectable,
+                                      rows, heads)
+
+
+def candidate_label_topk_torch(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
+                               scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int, heavy: int,
+                               candidates: torch.Tensor, selectable: torch.Tensor | None = None,
+                               rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+    """The twin of `candidate_label_topk` (same contract): the candidates' scores (`labels.candidate_label_scores`),
+    then `select_heavy_columns_torch` over candidate positions."""
+    scores = candidate_label_scores(query, channels, codes, scale, zero, bits, candidates, rows, heads)
+    allowed = candidates >= 0
+    if selectable is not None:
+        inside = selectable[:, None].expand(-1, candidates.shape[1], -1).gather(-1, candidates.clamp(min=0))
+        allowed &= inside.bool()
+    position = select_heavy_columns_torch(scores, allowed, heavy)  # ascending positions, then NO_TOKEN
+    return torch.where(position >= 0, candidates.gather(-1, position.clamp(min=0)), torch.full_like(position, NO_TOKEN))
+
+
 def label_topk_torch(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                      zero: torch.Tensor | None, bits: int, heavy: int, window: torch.Tensor | None = None,
                      selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
@@ -128,7 +177,7 @@ def select_heavy_columns_torch(scores: torch.Tensor, selectable: torch.Tensor, h
 
     Args:
         scores: ``[A, H', n]`` approximate logits (fp32 or fp64).
-        selectable: ``[A, n]`` bool, the selectable window of each row.
+        selectable: ``[A, n]`` bool, the selectable window of each row (or ``[A, H', n]``: of each row and head).
         heavy: tokens to keep.
 
     Returns:
@@ -137,7 +186,7 @@ def select_heavy_columns_torch(scores: torch.Tensor, selectable: torch.Tensor, h
     """
     n = scores.shape[-1]
     take = min(heavy, n)
-    ok = selectable[:, None] & torch.isfinite(scores)
+    ok = (selectable[:, None] if selectable.dim() == 2 else selectable) & torch.isfinite(scores)
     if take == 0:
         chosen = torch.zeros(*scores.shape[:-1], 0, dtype=torch.long, device=scores.device)
         found = torch.zeros_like(chosen, dtype=torch.bool)

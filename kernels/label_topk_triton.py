@@ -63,6 +63,7 @@ from .labels_triton import kernel_label_inputs
 CHUNK = 4096  # columns per program (and the longest row done in one launch)
 MAX_CHUNKS = 32  # longer rows take longer chunks (the bound L compares every pair of sketch keys)
 TAIL_TILE = 4096  # candidates per tile of the last program's search and writes
+MAX_CANDIDATES = 4096  # candidate columns per (row, head) that `candidate_label_topk_triton` holds in registers
 LEVELS = 4  # target ranks per chunk sketch
 SKETCH = 16  # int32 fields per (row-head, chunk) sketch: LEVELS keys, LEVELS counts, count, max, min
 SENTINEL = tl.constexpr(-(1 << 63))  # an empty candidate slot (its key is INT32_MIN)
@@ -256,6 +257,24 @@ def _fill_empty(out_row, first, heavy, TILE: tl.constexpr):
 
 
 @triton.jit
+def _top_columns(out_row, key, cols, heavy, TILE: tl.constexpr):
+    """The columns `cols` of the top ``min(heavy, keys)`` of `key` (INT32_MIN: no key; ties: the first in
+    order) written at ``out_row[0:heavy)`` in their order, then NO_TOKEN."""
+    ok = key != -2147483648
+    count = tl.sum(ok.to(tl.int32), 0)
+    r = tl.minimum(count, heavy)
+    taken = tl.zeros((), tl.int32)
+    if r > 0:
+        largest = tl.max(key, 0)
+        smallest = tl.min(tl.where(ok, key, 2147483647), 0)
+        first = _first_value(key, ok, count, r.to(tl.float32) - 0.5)
+        threshold, ties = _exact_threshold(key, out_row, 0, r, smallest, count, largest.to(tl.int64) + 1,
+                                           first, False, TILE)
+        taken, _ = _write_columns(out_row, key, cols, threshold, ties, 0, 0)
+    _fill_empty(out_row, taken, heavy, TILE)
+
+
+@triton.jit
 def _level_targets(r0, r1, r2, r3, LEVELS_: tl.constexpr):
     """The LEVELS target ranks as a vector (ascending; the last is `heavy`)."""
     levels = tl.arange(0, LEVELS_)
@@ -291,26 +310,13 @@ def _label_topk_sketch(
     head = tl.load(heads_ptr + i * s_hb + pid % HEADS).to(tl.int64)
     start, end = _window(window_ptr, i, n, HAS_WINDOW)
     cols = chunk * CHUNK_ + tl.arange(0, CHUNK_)
-    live = (chunk * CHUNK_ < end) & ((chunk + 1) * CHUNK_ > start)
+    # a chunk outside the window loads nothing (every column masked) and has no key
+    key = _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
+                      pid, i, row, head, cols, start, end,
+                      s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_mb,
+                      R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_MASK)
     if SINGLE:
-        out_row = out_ptr + pid.to(tl.int64) * heavy
-        taken = tl.zeros((), tl.int32)
-        if live:
-            key = _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
-                              pid, i, row, head, cols, start, end,
-                              s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_mb,
-                              R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_MASK)
-            ok = key != -2147483648
-            count = tl.sum(ok.to(tl.int32), 0)
-            r = tl.minimum(count, heavy)
-            if r > 0:
-                largest = tl.max(key, 0)
-                smallest = tl.min(tl.where(ok, key, 2147483647), 0)
-                first = _first_value(key, ok, count, r.to(tl.float32) - 0.5)
-                threshold, ties = _exact_threshold(key, out_row, 0, r, smallest, count, largest.to(tl.int64) + 1,
-                                                   first, False, TILE)
-                taken, _ = _write_columns(out_row, key, cols, threshold, ties, 0, 0)
-        _fill_empty(out_row, taken, heavy, TILE)
+        _top_columns(out_ptr + pid.to(tl.int64) * heavy, key, cols, heavy, TILE)
     else:
         if chunk == 0:
             tl.store(done_ptr + pid, 0)  # the second launch's ticket of this row-head
@@ -320,49 +326,67 @@ def _label_topk_sketch(
         count = tl.zeros((), tl.int32)
         largest = tl.full((), -2147483648, tl.int32)
         smallest = tl.full((), 2147483647, tl.int32)
-        if live:
-            key = _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
-                              pid, i, row, head, cols, start, end,
-                              s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_mb,
-                              R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_MASK)
-            ok = key != -2147483648
-            count = tl.sum(ok.to(tl.int32), 0)
-            if count > 0:
-                largest = tl.max(key, 0)
-                smallest = tl.min(tl.where(ok, key, 2147483647), 0)
-                # per level: a key whose count of keys at or above is within [r, r + r/4], by the
-                # search of `_exact_threshold` over all levels at once, stopped at the window
-                r = tl.minimum(_level_targets(r0, r1, r2, r3, LEVELS_), count)
-                slack = r >> 2
-                aim = (r + (slack >> 1)).to(tl.float32)
-                first = _first_value(key, ok, count, aim)
-                total = count.to(tl.float32)
-                lo = tl.zeros((LEVELS_,), tl.int64) + smallest
-                count_lo = tl.zeros((LEVELS_,), tl.int32) + count
-                hi = tl.zeros((LEVELS_,), tl.int64) + largest + 1
-                count_hi = tl.zeros((LEVELS_,), tl.int32)
-                active = (count_lo > r + slack) & (hi - lo > 1)
-                step = tl.zeros((), tl.int32)
-                while tl.max(active.to(tl.int32), 0) > 0:
-                    pivot = _pivot(lo, tl.where(active, hi, lo + 2), count_lo, count_hi, aim, total, first, step)
-                    at_least = key[None, :] >= pivot.to(tl.int32)[:, None]
-                    count_at = tl.sum(at_least.to(tl.int32), 1)
-                    up = tl.min(tl.where(at_least, key[None, :], 2147483647), 1)
-                    down = tl.max(tl.where(at_least, -2147483648, key[None, :]), 1)
-                    go_up = active & (count_at >= r)
-                    go_down = active & (count_at < r)
-                    lo = tl.where(go_up, up.to(tl.int64), lo)
-                    count_lo = tl.where(go_up, count_at, count_lo)
-                    hi = tl.where(go_down, down.to(tl.int64) + 1, hi)
-                    count_hi = tl.where(go_down, count_at, count_hi)
-                    active = active & (count_lo > r + slack) & (hi - lo > 1)
-                    step += 1
+        ok = key != -2147483648
+        count = tl.sum(ok.to(tl.int32), 0)
+        if count > 0:
+            largest = tl.max(key, 0)
+            smallest = tl.min(tl.where(ok, key, 2147483647), 0)
+            # per level: a key whose count of keys at or above is within [r, r + r/4], by the
+            # search of `_exact_threshold` over all levels at once, stopped at the window
+            r = tl.minimum(_level_targets(r0, r1, r2, r3, LEVELS_), count)
+            slack = r >> 2
+            aim = (r + (slack >> 1)).to(tl.float32)
+            first = _first_value(key, ok, count, aim)
+            total = count.to(tl.float32)
+            lo = tl.zeros((LEVELS_,), tl.int64) + smallest
+            count_lo = tl.zeros((LEVELS_,), tl.int32) + count
+            hi = tl.zeros((LEVELS_,), tl.int64) + largest + 1
+            count_hi = tl.zeros((LEVELS_,), tl.int32)
+            active = (count_lo > r + slack) & (hi - lo > 1)
+            step = tl.zeros((), tl.int32)
+            while tl.max(active.to(tl.int32), 0) > 0:
+                pivot = _pivot(lo, tl.where(active, hi, lo + 2), count_lo, count_hi, aim, total, first, step)
+                at_least = key[None, :] >= pivot.to(tl.int32)[:, None]
+                count_at = tl.sum(at_least.to(tl.int32), 1)
+                up = tl.min(tl.where(at_least, key[None, :], 2147483647), 1)
+                down = tl.max(tl.where(at_least, -2147483648, key[None, :]), 1)
+                go_up = active & (count_at >= r)
+                go_down = active & (count_at < r)
+                lo = tl.where(go_up, up.to(tl.int64), lo)
+                count_lo = tl.where(go_up, count_at, count_lo)
+                hi = tl.where(go_down, down.to(tl.int64) + 1, hi)
+                count_hi = tl.where(go_down, count_at, count_hi)
+                active = active & (count_lo > r + slack) & (hi - lo > 1)
+                step += 1
         record = sketch_ptr + (pid.to(tl.int64) * tl.num_programs(1) + chunk) * SKETCH_
         tl.store(record + levels, lo.to(tl.int32))
         tl.store(record + LEVELS_ + levels, count_lo)
         tl.store(record + 2 * LEVELS_, count)
         tl.store(record + 2 * LEVELS_ + 1, largest)
         tl.store(record + 2 * LEVELS_ + 2, smallest)
+
+
+@triton.jit
+def _label_candidates_topk(
+    query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, out_ptr,
+    n, heavy, candidates,
+    s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh,
+    HEADS: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr,
+    PER_ROW_CHANNELS: tl.constexpr, HAS_MASK: tl.constexpr, C_PAD: tl.constexpr, TILE: tl.constexpr,
+):
+    """Program (row-head pid): the row-head's candidates' keys (a negative column has none), its top
+    columns in candidate order."""
+    pid = tl.program_id(0)
+    i = (pid // HEADS).to(tl.int64)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    head = tl.load(heads_ptr + i * s_hb + pid % HEADS).to(tl.int64)
+    slots = tl.arange(0, C_PAD)
+    cols = tl.load(cand_ptr + i * s_ka + (pid % HEADS) * s_kh + slots, mask=slots < candidates, other=-1).to(tl.int32)
+    key = _chunk_keys(query_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
+                      pid, i, row, head, cols, tl.zeros((), tl.int32), tl.zeros((), tl.int32) + n,
+                      s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_mb,
+                      R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
+    _top_columns(out_ptr + pid.to(tl.int64) * heavy, key, cols, heavy, TILE)
 
 
 @triton.jit
@@ -516,6 +540,62 @@ def sketch_levels(heavy: int, chunks: int) -> list[int]:
     return [min(share, heavy), min(2 * share, heavy), min(8 * share, heavy), heavy]
 
 
+def _operands(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
+              zero: torch.Tensor | None, bits: int, r: int, rows: torch.Tensor, heads: torch.Tensor,
+              selectable: torch.Tensor | None) -> tuple:
+    """What the kernels read, laid out for them: ``(code bytes, scale, zero, rows, heads [A, H'], mask,
+    load bytes, strides)``; the placeholders of absent operands are tensors the kernels never read."""
+    if codes.stride(-1) != 1:
+        raise ValueError("label codes must be contiguous in the channel dimension")
+    if bits == 4 and r % 2:
+        raise ValueError(f"label_channels {r} is odd; 4-bit labels hold two channels a byte")
+    code_bytes = codes.view(torch.uint8)  # byte view: strides in bytes
+    heads = heads.expand(rows.shape[0], heads.shape[-1])  # any integer dtype; a shared row keeps stride 0 (no copy)
+    heads = heads if heads.stride(-1) == 1 else heads.contiguous()
+    rows = rows if rows.is_contiguous() else rows.contiguous()
+    if selectable is not None:
+        mask = selectable.view(torch.uint8) if selectable.dtype == torch.bool else selectable.to(torch.uint8)
+        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+    else:
+        mask = rows
+    scale = scale if scale is not None else codes  # 16-bit labels: the codes' dtype tells bf16 from fp16
+    zero = zero if zero is not None else codes
+    strides = (query.stride(0), query.stride(1), channels.stride(0), channels.stride(1),
+               code_bytes.stride(0), code_bytes.stride(1), code_bytes.stride(2),
+               scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1), heads.stride(0),
+               mask.stride(0) if selectable is not None else 0)
+    return code_bytes, scale, zero, rows, heads, mask, _load_bytes(codes, bits, r), strides
+
+
+def candidate_label_topk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
+                                scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int, heavy: int,
+                                candidates: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
+                                selectable: torch.Tensor | None = None, *, tile: int | None = None,
+                                num_warps: int | None = None) -> torch.Tensor:
+    """Same contract as `label_topk.candidate_label_topk` (``[A, H', heavy]`` int64, the chosen candidates'
+    columns in candidate order, then NO_TOKEN), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors:
+    one launch, a program per (row, head) scoring its ``C <= MAX_CANDIDATES`` candidates in registers."""
+    count, n_heads, width = candidates.shape
+    out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=codes.device)
+    if heavy == 0 or count * n_heads == 0:
+        return out
+    if width > MAX_CANDIDATES:
+        raise ValueError(f"{width} candidates per head; accepted: at most {MAX_CANDIDATES} (the torch twin takes more)")
+    _, query, channels, r, group, _ = kernel_label_inputs(None, query, channels)
+    code_bytes, scale_t, zero_t, rows, heads, mask_t, load_bytes, strides = _operands(
+        query, channels, codes, scale, zero, bits, r, rows, heads, selectable)
+    candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
+    pad = max(16, triton.next_power_of_2(width))
+    _label_candidates_topk[(count * n_heads,)](
+        query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out,
+        codes.shape[2], heavy, width, *strides, candidates.stride(0), candidates.stride(1),
+        HEADS=n_heads, R=r, BITS=bits, LOAD_BYTES=load_bytes, GROUP=group,
+        PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None, C_PAD=pad,
+        TILE=tile or TAIL_TILE, num_warps=num_warps or max(4, min(16, pad // 512)),
+    )
+    return out
+
+
 def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, scale: torch.Tensor | None,
                       zero: torch.Tensor | None, bits: int, heavy: int, rows: torch.Tensor, heads: torch.Tensor,
                       window: torch.Tensor | None = None, selectable: torch.Tensor | None = None, *,
@@ -536,27 +616,11 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     labels, query, channels, r, group, from_query = kernel_label_inputs(query_labels, query, channels)
     if not from_query:  # one row of labels per program
         labels = query = channels = labels.reshape(count * n_heads, r)
-    if codes.stride(-1) != 1:
-        raise ValueError("label codes must be contiguous in the channel dimension")
-    if bits == 4 and r % 2:
-        raise ValueError(f"label_channels {r} is odd; 4-bit labels hold two channels a byte")
-    code_bytes = codes.view(torch.uint8)  # byte view: strides in bytes below
-    load_bytes = _load_bytes(codes, bits, r)
-    heads = heads.expand(count, n_heads)  # any integer dtype; a shared row keeps stride 0 (no copy)
-    heads = heads if heads.stride(-1) == 1 else heads.contiguous()
-    rows = rows if rows.is_contiguous() else rows.contiguous()
-    has_window = window is not None
+    code_bytes, scale_t, zero_t, rows, heads, mask_t, load_bytes, strides = _operands(
+        query, channels, codes, scale, zero, bits, r, rows, heads, selectable)
+    has_window, has_mask = window is not None, selectable is not None
     window_t = window if not has_window or window.is_contiguous() else window.contiguous()
     window_t = window_t if has_window else rows
-    has_mask = selectable is not None
-    if has_mask:
-        mask_t = selectable.view(torch.uint8) if selectable.dtype == torch.bool else selectable.to(torch.uint8)
-        if mask_t.stride(-1) != 1:
-            mask_t = mask_t.contiguous()
-    else:
-        mask_t = rows
-    scale_t = scale if scale is not None else codes  # 16-bit labels: the codes' dtype tells bf16 from fp16
-    zero_t = zero if zero is not None else codes
     size = chunk or max(min(CHUNK, max(16, triton.next_power_of_2(n))),
                         triton.next_power_of_2(triton.cdiv(n, MAX_CHUNKS)))
     chunks = triton.cdiv(n, size)
@@ -567,12 +631,6 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
         HEADS=n_heads, R=r, BITS=bits, LOAD_BYTES=load_bytes, GROUP=group,
         PER_ROW_CHANNELS=from_query and channels.shape[0] > 1, FROM_QUERY=from_query,
         HAS_WINDOW=has_window, HAS_MASK=has_mask, CHUNK_=size, LEVELS_=LEVELS, SKETCH_=SKETCH, TILE=tile,
-    )
-    strides = (
-        query.stride(0), query.stride(1), channels.stride(0), channels.stride(1),
-        code_bytes.stride(0), code_bytes.stride(1), code_bytes.stride(2),
-        scale_t.stride(0), scale_t.stride(1), zero_t.stride(0), zero_t.stride(1), heads.stride(0),
-        mask_t.stride(0) if has_mask else 0,
     )
     warps = num_warps or max(4, min(16, size // 512))
     if chunks == 1:

@@ -459,9 +459,39 @@ class SelectionSpy:
             check_top_k(scores.cpu(), middle.cpu(), heavy, out.cpu())
             return out
 
+        def checked_decode_heavy(original):
+            def decode_heavy(self, query, selectable, heavy, rows=None, heads=None):
+                out = original(self, query, selectable, heavy, rows, heads)
+                spy.select_calls += 1
+                assert heavy in spy.top_k_sizes
+                check_top_k(self.decode_scores(query, rows, heads).cpu(), selectable[:, None].cpu(), heavy, out.cpu())
+                return out
+            return decode_heavy
+
+        def checked_candidate_heavy(original):
+            def candidate_heavy(self, query, candidates, window, heavy, rows=None, heads=None):
+                out = original(self, query, candidates, window, heavy, rows, heads)
+                spy.select_calls += 1
+                assert heavy == spy.heavy
+                # the candidates' own scores laid on their columns (column n: where a slot holds no candidate)
+                n = window.shape[-1]
+                slots = torch.where(candidates >= 0, candidates, torch.full_like(candidates, n))
+                scores = self.candidate_scores(query, candidates, rows, heads).cpu().double()
+                laid = torch.full((*candidates.shape[:2], n + 1), float("-inf"), dtype=torch.float64)
+                laid.scatter_(-1, slots.cpu(), scores)
+                allowed = torch.zeros(*candidates.shape[:2], n + 1, dtype=torch.bool).scatter_(
+                    -1, slots.cpu(), torch.ones_like(slots, dtype=torch.bool).cpu())[..., :n] & window[:, None].cpu()
+                check_top_k(laid[..., :n], allowed, heavy, out.cpu())
+                return out
+            return candidate_heavy
+
         self._stack.enter_context(mock.patch.object(RowWindows, "critical_indices", critical))
         self._stack.enter_context(mock.patch.object(policy, "select_heavy", select))
         self._stack.enter_context(mock.patch.object(refine, "select_heavy", select))  # candidates, refinements
+        for cls in {policy.SelectionPolicy, *(policy.policy_class(name) for name in policy.policy_names())}:
+            for name, wrap in (("decode_heavy", checked_decode_heavy), ("candidate_heavy", checked_candidate_heavy)):
+                if name in cls.__dict__:  # each policy's own selection, checked against its own scores
+                    self._stack.enter_context(mock.patch.object(cls, name, wrap(cls.__dict__[name])))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -576,8 +606,8 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
         counts["refinements"] += refinements
         if config.policy.name == "quest":  # refinements score every page (no candidate-only scores)
             counts["scored_pages"] += (scorings + refinements) * pages_for(own_width + s, config.policy.page_size)
-        else:
-            counts["scored_tokens"] += scorings * (own_width + s) + refinements * candidates
+        else:  # a scoring scores every column, then (with candidates) its C candidates again
+            counts["scored_tokens"] += scorings * (own_width + s + candidates) + refinements * candidates
     if n_sparse and steps and config.sharing.shares_layers_or_heads:
         counts["plans"] = 1
     exact = group == 1 or (group == 2 and not config.sharing.lookahead and not window_clips)

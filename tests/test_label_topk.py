@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hshare.kernels import NO_TOKEN, dequantize_labels, label_scores, quantize_labels, query_labels
-from hshare.kernels.label_topk import (decode_label_topk_torch, label_topk, label_topk_torch,
+from hshare.kernels.label_topk import (candidate_label_topk_torch, decode_label_topk_torch, label_topk, label_topk_torch,
                                        select_heavy_columns_torch, window_columns)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -208,3 +208,85 @@ def test_triton_heavy_beyond_chunks_and_row():
         got = run_triton(labels, codes, scale, zero, 8, heavy, torch.arange(2, device=DEVICE),
                          torch.zeros(1, 1, dtype=torch.long, device=DEVICE), chunk=chunk, tile=64)
         assert torch.equal(got, label_topk_torch(labels, codes, scale, zero, 8, heavy)), (heavy, chunk)
+
+
+# --- candidate-set refinement: the top heavy of given candidate columns ----------------------------
+
+
+def candidate_case(bits, dtype=torch.float32, seed=5):
+    """A label cache, a GQA decode query with per-row channels, chosen rows / heads, candidate lists with
+    repeats of no candidate (NO_TOKEN), a column outside the mask, and a short list."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, sel_heads, q_heads, n, r, dim = 3, 2, 4, 120, 8, 16
+    codes, scale, zero = label_cache(batch, sel_heads, n, r, bits, dtype, seed=seed)
+    query = torch.randn(batch, q_heads, dim, generator=generator).to(DEVICE)
+    channels = torch.stack([torch.randperm(dim, generator=generator)[:r] for _ in range(batch * sel_heads)])
+    channels = channels.reshape(batch, sel_heads, r).to(DEVICE)
+    rows = torch.tensor([2, 0, 1], device=DEVICE)
+    heads = torch.tensor([[1, 0], [0, 0], [1, 1]], device=DEVICE)
+    candidates = torch.stack([torch.randperm(n, generator=generator)[:40] for _ in range(6)]).reshape(3, 2, 40)
+    candidates[0, 1, 25:] = NO_TOKEN  # 25 candidates
+    candidates[2, 0, :35] = NO_TOKEN  # 5 candidates: fewer than heavy
+    selectable = torch.rand(3, n, generator=generator) < 0.8
+    return query, channels, codes, scale, zero, rows, heads, candidates.to(DEVICE), selectable.to(DEVICE)
+
+
+def check_candidates(got, candidates, scores, allowed, heavy, tol):
+    """Chosen = allowed candidates in candidate order, min(heavy, allowed) of them, none scored below an
+    unchosen allowed candidate (by more than `tol`), then NO_TOKEN."""
+    got, candidates, scores, allowed = got.cpu(), candidates.cpu(), scores.cpu().double(), allowed.cpu()
+    for a in range(got.shape[0]):
+        for h in range(got.shape[1]):
+            chosen = got[a, h][got[a, h] != NO_TOKEN].tolist()
+            assert bool((got[a, h, len(chosen):] == NO_TOKEN).all())
+            order = candidates[a, h].tolist()
+            slots = [order.index(c) for c in chosen]
+            assert slots == sorted(slots), "not in candidate order"
+            assert all(bool(allowed[a, h, s]) for s in slots)
+            assert len(chosen) == min(heavy, int(allowed[a, h].sum()))
+            rest = allowed[a, h].clone()
+            rest[slots] = False
+            if chosen and bool(rest.any()):
+                assert float(scores[a, h, slots].min()) >= float(scores[a, h][rest].max()) - tol
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_candidate_twin_matches_brute_force(bits):
+    query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(bits)
+    heavy = 12
+    got = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, selectable,
+                                     rows, heads)
+    labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
+    scores = brute_force_scores(labels, codes, scale, zero, bits, rows, heads).gather(-1, candidates.clamp(min=0))
+    allowed = (candidates >= 0) & selectable[:, None].expand(-1, 2, -1).gather(-1, candidates.clamp(min=0))
+    check_candidates(got, candidates, scores, allowed, heavy, tol=1e-4)
+    assert int((got[2, 0] != NO_TOKEN).sum()) == int(allowed[2, 0].sum()) <= 5
+    # without a mask, every candidate is allowed; ties (one repeated label) go to the earlier candidate
+    codes[:, :, :] = codes[:, :, :1]
+    if scale is not None:
+        scale[:], zero[:] = scale[:, :, :1], zero[:, :, :1]
+    tied = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, 6, candidates, None, rows, heads)
+    assert torch.equal(tied[1], candidates[1, :, :6])
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (8, torch.float16), (16, torch.bfloat16)])
+def test_candidate_triton_matches_twin(bits, dtype):
+    pytest.importorskip("triton")
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    from hshare.kernels.label_topk_triton import candidate_label_topk_triton
+
+    query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(bits, dtype)
+    for heavy, mask in ((12, selectable), (30, None), (64, selectable)):
+        got = candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads,
+                                          mask, tile=16)
+        want = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, mask,
+                                          rows, heads)
+        labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
+        scores = brute_force_scores(labels, codes, scale, zero, bits, rows, heads).gather(-1, candidates.clamp(min=0))
+        allowed = candidates >= 0
+        if mask is not None:
+            allowed &= mask[:, None].expand(-1, 2, -1).gather(-1, candidates.clamp(min=0))
+        check_candidates(got, candidates, scores, allowed, heavy, tol=1e-3)
+        if DEVICE == "cpu":  # the interpreter's scores: the twin's very set
+            assert torch.equal(got.sort(-1).values, want.sort(-1).values)

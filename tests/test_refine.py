@@ -10,7 +10,8 @@ import hshare.attention as attention_module
 from hshare import static_decode
 from hshare.config import ConfigError, HShareConfig
 from hshare.kernels import candidate_label_scores, decode_label_scores, quantize_labels
-from hshare.refine import refine_candidates, select_candidates
+from hshare.policy import SelectionPolicy
+from hshare.refine import select_candidates
 from hshare.selection import NO_TOKEN
 
 from conftest import greedy, left_pad, left_padded, tiny_llama
@@ -49,35 +50,62 @@ def test_candidate_scores_equal_the_full_scores_at_the_candidates(bits):
     torch.testing.assert_close(got, full.gather(-1, columns))
 
 
-def test_select_candidates_is_the_top_c_and_its_top_heavy():
-    scores = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(3))
+class TablePolicy(SelectionPolicy):
+    """Scores by a fixed table ``[B, H, n]``: brute force is a sort of the table. `scoring` = "all" scores every
+    column only (the default `candidate_scores` gathers them), "candidates" scores candidates alone."""
+
+    unit = "tokens"
+
+    def __init__(self, table, scoring):
+        self.table, self.scoring = table, scoring
+        self.scores_candidates = scoring == "candidates"
+
+    def _table(self, rows, heads):
+        table = self.table if rows is None else self.table[rows]
+        if heads is not None:
+            table = table.gather(1, heads.expand(table.shape[0], -1)[..., None].expand(-1, -1, table.shape[-1]))
+        return table
+
+    def decode_scores(self, query, rows=None, heads=None):
+        assert self.scoring == "all", "a candidate-scoring policy scores the full width only to pick candidates"
+        return self._table(rows, heads)
+
+    def decode_heavy(self, query, selectable, heavy, rows=None, heads=None):
+        from hshare.selection import select_heavy
+        return select_heavy(self._table(rows, heads), selectable[:, None], heavy)
+
+    def candidate_scores(self, query, columns, rows=None, heads=None):
+        return self._table(rows, heads).gather(-1, columns.clamp(min=0))
+
+    from_prefill = add_keys = score_query = prefill_scores = None
+
+
+@pytest.mark.parametrize("scoring", ["all", "candidates"])
+def test_select_candidates_is_the_top_c_and_its_top_heavy(scoring):
+    policy = TablePolicy(torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(3)), scoring)
     window = torch.zeros(2, 40, dtype=torch.bool)
     window[0, 5:30], window[1, 2:9] = True, True  # row 1: fewer selectable columns than C
-    heavy, candidates = select_candidates(scores, window, 10, 4)
-    for b in range(2):
-        for h in range(3):
-            allowed = window[b].nonzero().flatten()
-            ranked = allowed[scores[b, h, allowed].argsort(descending=True)].tolist()
-            assert _as_set(candidates[b, h]) == set(ranked[:10])
-            assert _as_set(heavy[b, h]) == set(ranked[:4])
-    assert (candidates[1] == NO_TOKEN).sum() == 3 * 3
+    for rows, heads in ((None, None), (torch.tensor([1, 0]), torch.tensor([[2, 0]]))):
+        picked = window if rows is None else window[rows]
+        heavy, candidates = select_candidates(policy, None, picked, 10, 4, rows, heads)
+        table = policy._table(rows, heads)
+        for b in range(table.shape[0]):
+            for h in range(table.shape[1]):
+                allowed = picked[b].nonzero().flatten()
+                ranked = allowed[table[b, h, allowed].argsort(descending=True)].tolist()
+                assert _as_set(candidates[b, h]) == set(ranked[:10])
+                assert _as_set(heavy[b, h]) == set(ranked[:4])
+        short = 1 if rows is None else 0
+        assert (candidates[short] == NO_TOKEN).sum() == 3 * table.shape[1]
 
 
 def test_refinement_is_the_brute_force_top_k_within_the_candidates():
-    class Policy:  # scores by a fixed table: brute force is a sort of the table
-        def candidate_scores(self, query, columns, rows=None, heads=None):
-            table = self.table if rows is None else self.table[rows]
-            if heads is not None:
-                table = table.gather(1, heads.expand(table.shape[0], -1)[..., None].expand(-1, -1, table.shape[-1]))
-            return table.gather(-1, columns.clamp(min=0))
-
-    policy = Policy()
     generator = torch.Generator().manual_seed(5)
-    policy.table = torch.randn(3, 2, 50, generator=generator)
+    policy = TablePolicy(torch.randn(3, 2, 50, generator=generator), "candidates")
     candidates = torch.stack([torch.randperm(50, generator=generator)[:12] for _ in range(6)]).reshape(3, 2, 12)
     candidates[2, 1, 9:] = NO_TOKEN
     window = torch.rand(3, 50, generator=generator) > 0.3
-    refined = refine_candidates(policy, None, candidates, window, 5)
+    refined = policy.candidate_heavy(None, candidates, window, 5)
     for b in range(3):
         for h in range(2):
             inside = [int(c) for c in candidates[b, h] if c >= 0 and window[b, c]]
@@ -85,7 +113,7 @@ def test_refinement_is_the_brute_force_top_k_within_the_candidates():
             assert _as_set(refined[b, h]) == set(ranked[:5])
             assert (refined[b, h] >= 0).sum() == min(5, len(inside))
     rows, heads = torch.tensor([1, 2]), torch.tensor([[1]])
-    refined = refine_candidates(policy, None, candidates[rows][:, 1:], window[rows], 5, rows=rows, heads=heads)
+    refined = policy.candidate_heavy(None, candidates[rows][:, 1:], window[rows], 5, rows=rows, heads=heads)
     for i, b in enumerate(rows.tolist()):
         inside = [int(c) for c in candidates[b, 1] if c >= 0 and window[b, c]]
         ranked = sorted(inside, key=lambda c: -float(policy.table[b, 1, c]))
@@ -223,8 +251,9 @@ def test_counters_count_the_candidate_rows_scored(preset):
     assert plain.refinements == 0
     assert refined.score_computations == plain.score_computations and refined.selection_steps == plain.selection_steps
     assert refined.refinements == _refinements_brute_force(cache, NEW - 1) > 0
-    # a scoring scores every cached column as before; a refinement its C = 12 candidates
-    assert refined.scored_tokens == plain.scored_tokens + 12 * refined.refinements
+    # a scoring scores every cached column as before, then its C = 12 candidates again to pick its heavy among
+    # them (the label policy scores candidates alone); a refinement its C = 12 candidates
+    assert refined.scored_tokens == plain.scored_tokens + 12 * (refined.refinements + refined.score_computations)
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(plan_scope="sample"), dict(query_sharing="1/4", group_lookahead=True)])

@@ -52,3 +52,8 @@ def test_auto_threshold_by_device_and_graphs():
     assert config.runtime.sparse_min_saved_bytes(cuda, graphs=False) == 768 * 2**20
     assert config.runtime.sparse_min_saved_bytes(cpu, graphs=True) == config.runtime.sparse_min_saved_bytes(cpu, graphs=False) == 0
     assert config.replace(dense_fallback_mib=5).runtime.sparse_min_saved_bytes(cuda, graphs=True) == 5 * 2**20
+    # the shared prefix's rule: graphs on CUDA hold a level once from fewer saved reads than eager steps
+    from hshare.config import AUTO_PREFIX_MIN_SAVED_TOKENS as auto
+    assert config.prefix.min_saved(cuda, graphs=True) == auto["graphs"] < auto["eager"]
+    assert config.prefix.min_saved(cuda, graphs=False) == config.prefix.min_saved(cpu, graphs=True) == auto["eager"]
+    assert config.replace(prefix_min_saved_tokens=7).prefix.min_saved(cuda, graphs=True) == 7
