@@ -53,9 +53,10 @@ PREFIX_MODES = ("auto", "on", "off")
 # layer). Calibrated by `hshare bench grid`.
 AUTO_MIN_SAVED_MIB = {"graphs": 96.0, "eager": 768.0}
 # The token reads per layer and step a shared prefix level must save for ``prefix="auto"`` to hold it
-# once (`PrefixConfig.min_saved`): decode steps replayed as CUDA graphs (both paths one launch; calibrated
-# by ``benchmarks/prefix_crossover.py``), and eager or off CUDA (the shared step's host launch cost).
-AUTO_PREFIX_MIN_SAVED_TOKENS = {"graphs": 2048, "eager": 131072}
+# once (`PrefixConfig.min_saved`): decode steps replayed as CUDA graphs (both paths one launch; the shared
+# one was no slower at every shape ``benchmarks/prefix_crossover.py`` measured, from the fewest a level of
+# the default 256 tokens over 2 rows saves), and eager or off CUDA (the shared step's host launch cost).
+AUTO_PREFIX_MIN_SAVED_TOKENS = {"graphs": 256, "eager": 131072}
 
 
 class ConfigError(ValueError):
