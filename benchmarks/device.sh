@@ -59,12 +59,14 @@
 #   fidelity   `hshare fidelity` on War and Peace, sweeps paper and ablation (N_c 512), 4 windows x 64 steps,
 #              float32, lengths 2k, then 1k and 4k, then 8000 (each group at most FID_SECONDS, default 180)
 #   gsm8k      `hshare sweep` paper-128 on GSM8K, float32, batch 128 (LIMIT documents, default 256)
-#   multi_news `hshare sweep` paper on LongBench multi_news, float32, batch 64 (LIMIT, default 64)
+#   multi_news `hshare sweep` paper on LongBench multi_news, float32, batch 64 (MN_LIMIT or LIMIT documents,
+#              default 64; MULTI_NEWS_SWEEP names another sweep; stopped after MN_SECONDS, default 3000)
 #   ablation   `hshare sweep` ablation on multi_news, float32, batch 64 (LIMIT, default 64)
 #   ruler      `hshare sweep` over RULER's 11 code-built tasks (niah haystack: the carried War and Peace) at 4k
 #              (dense, ds, the three paper presets, streaming, quest at N_c 512) and 8k (the same, and the
 #              sparse ones at N_c 2048), LIMIT documents per task (default 16), DTYPE (default bfloat16),
-#              RULER_BATCH rows a generate (default 32); six sweeps run at once on the one GPU (each length's
+#              RULER_BATCH rows a generate (default 32); RULER_SWEEP names another sweep for both lengths
+#              (e.g. refine); six sweeps run at once on the one GPU (each length's
 #              tasks in three groups, so that the documents are built in parallel, once per sweep), each
 #              stopped after RULER_SECONDS (default 420); then $OUT/ruler-4k.md and ruler-8k.md: per task,
 #              average and share of dense, from every finished run
@@ -404,8 +406,10 @@ eval_part() {
     gsm8k)
       sweep gsm8k --configs paper-128 --tasks gsm8k --limit "${LIMIT:-256}" --batch-size 128 --dtype float32 | tail -30 ;;
     multi_news)
-      sweep multi_news --configs paper --tasks longbench_multi_news --limit "${LIMIT:-64}" --batch-size 64 \
-        --dtype float32 | tail -30 ;;
+      local configs=${MULTI_NEWS_SWEEP:-paper}
+      timeout "${MN_SECONDS:-3000}" hshare sweep --device cuda --data-dir $D --out "$RES/multi_news${MULTI_NEWS_SWEEP:+-$configs}" \
+        --configs "$configs" --tasks longbench_multi_news --limit "${MN_LIMIT:-${LIMIT:-64}}" --batch-size 64 \
+        --dtype float32 2>&1 | grep -v "it/s\|s/it" | tail -30 ;;
     ablation)
       sweep ablation --configs ablation --tasks longbench_multi_news --limit "${LIMIT:-64}" --batch-size 64 \
         --dtype float32 | tail -30 ;;
@@ -414,9 +418,9 @@ eval_part() {
       sweep_file /tmp/ruler-4k.yaml "${RULER_512[@]}"
       sweep_file /tmp/ruler-8k.yaml "${RULER_512[@]}" "${RULER_2048[@]}"
       local i
-      for i in 0 1 2; do
-        ruler_sweep ruler-4k-g$i /tmp/ruler-4k.yaml 4k "${RULER_GROUPS[$i]}" &
-        ruler_sweep ruler-8k-g$i /tmp/ruler-8k.yaml 8k "${RULER_GROUPS[$i]}" &
+      for i in 0 1 2; do  # RULER_SWEEP: another sweep (a bundled name or a path) at both lengths
+        ruler_sweep ruler-4k-g$i "${RULER_SWEEP:-/tmp/ruler-4k.yaml}" 4k "${RULER_GROUPS[$i]}" &
+        ruler_sweep ruler-8k-g$i "${RULER_SWEEP:-/tmp/ruler-8k.yaml}" 8k "${RULER_GROUPS[$i]}" &
       done
       wait
       for log in $RES/ruler-*-g?.log; do echo "-- $log"; grep -v "it/s\|s/it\|Warning\|warn(" "$log" | tail -4; done
