@@ -356,8 +356,10 @@ print(f"RULER at {length} tokens, {json.dumps({**meta, 'dtype': os.environ.get('
       "score x 100 (lm-eval's string match)")
 print("| config | " + " | ".join(tasks) + " | average | of dense | KV rows read | label scorings | s |")
 print("|---" * (len(tasks) + 6) + "|")
-configs = dict(sorted(configs.items(), key=lambda item: (item[0] != "dense", int(item[0].partition("@")[2] or 0),
-                                                          item[0])))
+def budget(name):  # N_c of "preset@N_c[+overrides]", 0 without one
+    digits = name.partition("@")[2].partition("+")[0]
+    return int(digits) if digits.isdigit() else 0
+configs = dict(sorted(configs.items(), key=lambda item: (item[0] != "dense", budget(item[0]), item[0])))
 dense = None
 for name, row in configs.items():
     done = [t for t in tasks if t in row["scores"]]
