@@ -33,7 +33,8 @@ A selection step (`QuestPageCache.decode_heavy`) never builds those keys: it sor
 and finds each heavy slot's page and column by two searches over cumulative counts, O(P log P + heavy
 log n) per (row, head) instead of a key and a top-k over every column.
 
-All of it is plain PyTorch (CPU and CUDA alike); nothing here goes through the label kernels.
+The page scores of a decode query are one Triton launch on CUDA (`kernels.page_scores`); the rest is
+plain PyTorch (CPU and CUDA alike); nothing here goes through the label kernels.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import torch
 
 from hshare.config import HShareConfig, PolicyConfig, check_int
 from hshare.policy import SelectionPolicy, register_policy
-from hshare.kernels import NO_TOKEN
+from hshare.kernels import NO_TOKEN, page_scores
 
 if TYPE_CHECKING:
     from hshare.buffer import GrowingBuffer
@@ -223,12 +224,7 @@ class QuestPageCache(SelectionPolicy):
             ``[B', H', Q, P]`` fp32 (fp64 for fp64 queries): ``sum_c max(q_c min_c, q_c max_c)``,
             summed over the query heads of a selection head.
         """
-        acc = self.accumulation_dtype(query.dtype)
-        grouped = self.group_query_heads(query).to(acc)
-        positive, negative = grouped.clamp(min=0).sum(2), grouped.clamp(max=0).sum(2)  # [B, H_sel, Q, d]
-        positive, negative = (self.pick_selection_heads(part, rows, heads) for part in (positive, negative))
-        low, high = (self.per_selection_head(bounds.view(), rows, heads) for bounds in (self.low, self.high))
-        return positive @ high.to(acc).transpose(-1, -2) + negative @ low.to(acc).transpose(-1, -2)
+        return page_scores(query, self.low.view(), self.high.view(), self.sel_heads, rows, heads)
 
     def token_keys(self, page_scores: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Ranking keys of every cached column from its page's score (whole pages, see the module).

@@ -15,6 +15,7 @@ from .gather_attention import gather_attention, gather_attention_torch
 from .labels import append_labels, candidate_label_scores, decode_label_scores, dequantize_labels, label_scores, label_storage_dtype, \
     quantize_labels, query_labels, score_heads
 from .merge import merge_attention_splits, merge_attention_states
+from .page_scores import page_scores, page_scores_torch
 from .prefix_attention import attention_with_lse, attention_with_lse_torch, shared_prefix_attention, \
     shared_prefix_decode_states
 from .shared_decode import PrefixKV, shared_decode_attention, shared_decode_attention_torch
@@ -55,6 +56,8 @@ __all__ = [
     "shared_decode_attention",
     "shared_decode_attention_torch",
     "shared_prefix_decode_states",
+    "page_scores",
+    "page_scores_torch",
     "split_decode_attention",
     "split_decode_attention_torch",
 ]

@@ -317,8 +317,8 @@ def test_beam_search_and_label_bytes():
 
 
 def test_quest_under_triton_dispatch(monkeypatch):
-    """With the Triton kernels (CUDA, or the interpreter on CPU), Quest runs its torch path beside
-    the critical-indices and gather kernels; the label kernels are never called."""
+    """With the Triton kernels (CUDA, or the interpreter on CPU), Quest runs its page-score kernel beside
+    the critical-indices and gather kernels and gives the twins' tokens; the label kernels are never called."""
     import hshare.labels
 
     def refuse(*args, **kwargs):
@@ -334,3 +334,39 @@ def test_quest_under_triton_dispatch(monkeypatch):
         reference = greedy(model, ids, mask, new_tokens=4)
         monkeypatch.setenv("HSHARE_KERNELS", "triton")
         assert torch.equal(greedy(model, ids, mask, new_tokens=4), reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_heads,kv_heads,sel_heads,dim", [(4, 2, 2, 8), (4, 2, 4, 16), (6, 3, 3, 24)])
+def test_page_score_kernel_matches_the_twin_and_brute_force(dtype, q_heads, kv_heads, sel_heads, dim):
+    """The Triton page scores of a decode query (interpreted on CPU) against the twin and the brute force:
+    GQA groups summed, a head dim that is not a power of two, empty pages (sentinel bounds), chosen rows
+    and heads, bounds viewed out of a larger reserve."""
+    pytest.importorskip("triton")
+    import os
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    from hshare.kernels import page_scores_torch
+    from hshare.kernels.page_scores_triton import page_scores_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    keys, valid = random_keys([61, 40, 75], decoded=4, kv_heads=kv_heads, dim=dim, dtype=torch.float32, seed=7)
+    cache = QuestPageCache(sel_heads, kv_heads, 4, reserve=keys.shape[2] + 12)
+    cache.append(keys.to(dtype), valid)
+    low, high = (bounds.view().to(device) for bounds in (cache.low, cache.high))
+    query = torch.randn(3, q_heads, dim, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    brute, has = brute_page_scores(query[:, :, None].double().cpu(), keys.to(dtype).double(), valid, 4, sel_heads)
+    for rows, heads in ((None, None), (torch.tensor([2, 0]), torch.tensor([[sel_heads - 1, 0]]))):
+        count = 3 if rows is None else 2
+        index_rows = torch.arange(3) if rows is None else rows
+        index_heads = torch.arange(sel_heads)[None] if heads is None else heads
+        got = page_scores_triton(query, low, high, sel_heads, index_rows.to(device), index_heads.to(device), block=8)
+        twin = page_scores_torch(query[:, :, None], low, high, sel_heads, None if rows is None else rows.to(device),
+                                 None if heads is None else heads.to(device))[:, :, 0]
+        assert got.shape == twin.shape == (count, index_heads.shape[-1], low.shape[2])
+        finite = torch.isfinite(twin)
+        assert torch.equal(finite, torch.isfinite(got)) and bool((got[~finite] < 0).all())
+        torch.testing.assert_close(got[finite], twin[finite], rtol=1e-5, atol=1e-4)
+        reference = brute[index_rows[:, None], index_heads.expand(count, -1), 0]
+        mask = has[index_rows][:, None].expand_as(reference)
+        torch.testing.assert_close(got.cpu().double()[mask], reference[mask], rtol=1e-4, atol=1e-3)
