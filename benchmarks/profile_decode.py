@@ -1,7 +1,8 @@
 """Where a decode step's GPU time goes, per kernel, for unpatched and patched presets (on the GPU).
 
-For each path: profile a ``generate`` of N + 1 new tokens and one of 1 new token (the prefill), subtract
-their per-kernel CUDA totals and divide by N: the kernels of one decode step. Patched presets run
+For each path: profile a ``generate`` of N + 3 new tokens and one of 3 (`BASE_TOKENS`: the prefill and
+each kind of decode step's first, captured or eager, lie in both), subtract their per-kernel CUDA totals
+and divide by N: the kernels of one replayed decode step. Patched presets run
 eagerly (``cuda_graphs=False``) unless ``--graphs`` (the profiler sees the kernels inside graph replays too). Prints the step's GPU milliseconds and its heaviest kernels, and writes JSON.
 
 ``--prefill``: the prefill instead (a ``generate`` of 1 new token), with the GPU time inside each of
@@ -90,6 +91,12 @@ def prefill_kernels(model, path: str, ids, mask) -> Counter:
             return kernel_totals(model, ids, mask, 1, **cache())
 
 
+# new tokens of the generate subtracted: the prefill (a sparse preset's planner evidence is made only when
+# decode steps follow) and the first decode step of each kind (selection, reuse: each captured or run
+# eagerly once per generate) lie in both generates, so the difference is replayed steps alone
+BASE_TOKENS = 3
+
+
 def step_kernels(model, path: str, ids, mask, steps: int, graphs: bool) -> Counter:
     def run(tokens):
         if path == "unpatched":
@@ -101,7 +108,7 @@ def step_kernels(model, path: str, ids, mask, steps: int, graphs: bool) -> Count
         context.__enter__()
     try:
         run(4)  # warm-up: Triton compilation, autotuning
-        long, short = run(steps + 1), run(1)
+        long, short = run(steps + BASE_TOKENS), run(BASE_TOKENS)
     finally:
         if context:
             context.__exit__(None, None, None)
