@@ -90,29 +90,6 @@ def page_bounds_reference(keys: torch.Tensor, valid: torch.Tensor, page_size: in
     return low, high, has
 
 
-_COUNT_BLOCK = 64  # entries per block of `running_count`'s triangular product
-
-
-def running_count(counts: torch.Tensor, most: int) -> torch.Tensor:
-    """Inclusive prefix sums along the last dim of nonnegative integer counts ``[..., m]`` (bool or int) of at
-    most `most` each, as int64: within blocks of `_COUNT_BLOCK` entries by one product with a triangle of
-    ones in fp32, then across blocks by a cumulative sum of one entry a block. It stands for ``cumsum``
-    (CUDA's scan of few long rows, or of many short ones, runs one thread block per row). Exact where every
-    count is at most 2048 (integers a TF32 product holds) and the total below 2**24; ``cumsum`` otherwise."""
-    width = counts.shape[-1]
-    if most > 2048 or most * width >= 2**24:
-        return counts.long().cumsum(-1)
-    block = min(_COUNT_BLOCK, width)
-    blocks = -(-width // block)
-    padded = torch.nn.functional.pad(counts.to(torch.float32), (0, blocks * block - width))
-    tiles = padded.view(*counts.shape[:-1], blocks, block)
-    triangle = torch.ones(block, block, device=counts.device).triu()
-    inside = tiles @ triangle  # [..., blocks, block]
-    if blocks > 1:
-        inside[..., 1:, :] += inside[..., :-1, -1:].cumsum(-2)
-    return inside.reshape(*counts.shape[:-1], blocks * block)[..., :width].to(torch.int64)
-
-
 @dataclass(frozen=True)
 class QuestConfig(PolicyConfig):
     """The ``"quest"`` policy's section of the config.
@@ -303,13 +280,13 @@ class QuestPageCache(SelectionPolicy):
         shift = self.shift if rows is None else self.shift.index_select(0, rows)
         column_of = torch.arange(pages * size, device=device)[None, :] - shift[:, None]  # [B', P * size]
         by_page = selectable.gather(1, column_of.clamp(0, n - 1)) & (column_of >= 0) & (column_of < n)
-        in_page = running_count(by_page.view(count, pages, size), 1)  # selectable up to each offset of a page
+        in_page = by_page.view(count, pages, size).cumsum(-1, dtype=torch.int32)  # selectable up to each offset
         per_page = in_page[..., -1]  # [B', P]
-        before = running_count(per_page, size) - per_page  # selectable columns in earlier pages
+        before = per_page.cumsum(-1) - per_page  # selectable columns in earlier pages
         running = (in_page + before[..., None]).view(count, pages * size)  # up to each virtual column
         order = scores.sort(dim=-1, descending=True, stable=True).indices  # ties: the earlier page first
         in_order = per_page[:, None].expand(count, width, pages).gather(-1, order)
-        reach = running_count(in_order, size)  # [B', H', P] selectable columns up to each ranked page
+        reach = in_order.cumsum(-1)  # [B', H', P] selectable columns up to each ranked page
         slot = torch.arange(heavy, device=device, dtype=reach.dtype).expand(count, width, heavy).contiguous()
         ranked = torch.searchsorted(reach, slot, right=True).clamp(max=pages - 1)  # the page holding each slot
         page = order.gather(-1, ranked)

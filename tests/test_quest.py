@@ -370,17 +370,3 @@ def test_page_score_kernel_matches_the_twin_and_brute_force(dtype, q_heads, kv_h
         reference = brute[index_rows[:, None], index_heads.expand(count, -1), 0]
         mask = has[index_rows][:, None].expand_as(reference)
         torch.testing.assert_close(got.cpu().double()[mask], reference[mask], rtol=1e-4, atol=1e-3)
-
-
-def test_running_count_is_the_cumulative_sum():
-    from hshare.quest import running_count
-
-    generator = torch.Generator().manual_seed(11)
-    for shape in ((3, 1), (2, 5, 16), (4, 63), (2, 64), (3, 2049), (1, 4, 8193)):
-        counts = torch.randint(0, 17, shape, generator=generator)
-        got = running_count(counts, 16)
-        assert got.dtype == torch.int64 and torch.equal(got, counts.cumsum(-1))
-        mask = counts > 8
-        assert torch.equal(running_count(mask, 1), mask.long().cumsum(-1))
-    big = torch.randint(0, 70000, (2, 300), generator=generator)  # beyond what a TF32 product holds exactly
-    assert torch.equal(running_count(big, 70000), big.cumsum(-1))
