@@ -65,6 +65,10 @@ class SelectionPolicy(ABC):
     metadata covers) and ``frozen_width`` (the reserved columns while static shapes are on, else
     None). `supports_static` is True exactly when the subclass implements `write`, `scores_candidates`
     exactly when it implements `candidate_scores` (then a refinement scores C units, else every one).
+
+    What a subclass may override to go faster, keeping the contract: `decode_heavy` (score and select a
+    selection step's heavy columns in one pass: the labels' fused top-k, Quest's selection from page
+    scores) and `candidate_heavy` (the same over a refinement's candidates).
     """
 
     name: ClassVar[str] = ""
