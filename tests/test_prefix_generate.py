@@ -195,6 +195,32 @@ def test_auto_mode_thresholds():
         assert cache.prefix is None
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_auto_rule_asks_for_the_saved_reads_of_how_steps_run(monkeypatch, graphs):
+    """`prefix="auto"` takes its saved-reads threshold for the device and for whether this generate's decode
+    steps replay as CUDA graphs (static decode on): the graphs' threshold shares a prefix the eager one does
+    not."""
+    from hshare import config as config_module, static_decode
+
+    monkeypatch.setattr(static_decode, "STATIC_ON_CPU", True)
+    asked = []
+    real = config_module.PrefixConfig.min_saved
+
+    def min_saved(self, device, graphs_arg):
+        asked.append((device.type, graphs_arg))
+        return 40 if graphs_arg else real(self, device, graphs_arg)  # as a CUDA device would answer, on the CPU
+
+    monkeypatch.setattr(config_module.PrefixConfig, "min_saved", min_saved)
+    model = tiny_llama()
+    prefix = tokens(40)
+    ids, mask = left_pad([torch.cat((prefix, tokens(n))) for n in (4, 2)])  # saves 40 reads a step
+    with hshare.patched(model, "dense", prefix_min_tokens=40, cuda_graphs=graphs):
+        cache = hshare.new_cache(model)
+        run(model, ids, mask, cache=cache)
+    assert asked == [("cpu", graphs)]
+    assert (cache.prefix is not None) == graphs
+
+
 # ---- sparse config ----------------------------------------------------------------------------
 @pytest.mark.parametrize("preset,overrides", [("ds", {}), ("hshare-1_2-1_2-1_2", {"plan_scope": "sample"})])
 def test_sparse_own_part_selection_independent_of_sharing(monkeypatch, preset, overrides):
