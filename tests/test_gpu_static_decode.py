@@ -65,7 +65,7 @@ def test_dense_graphs_equal_unpatched(dtype, lengths):
 
 
 @pytest.mark.parametrize("preset", ["ds", "hshare-1_2-1_2-1_2", "hshare-7_8-3_4-1_2", "streaming", "quest",
-                                    "quest-1_2-1_2-1_2"])
+                                    "quest-1_2-1_2-1_2", "hshare-refine"])
 @pytest.mark.parametrize("scope", ["batch", "sample"])
 def test_sparse_graphs_equal_eager(preset, scope):
     model = tiny_llama(kv_heads=2, layers=4).cuda()
@@ -77,7 +77,7 @@ def test_sparse_graphs_equal_eager(preset, scope):
     ours, theirs = cache.stats, eager_cache.stats
     assert (ours.kv_rows_read, ours.dense_kv_rows, ours.sparse_steps, ours.selection_steps) == \
         (theirs.kv_rows_read, theirs.dense_kv_rows, theirs.sparse_steps, theirs.selection_steps)
-    assert ours.score_computations == theirs.score_computations
+    assert (ours.score_computations, ours.refinements) == (theirs.score_computations, theirs.refinements)
 
 
 def test_seeded_sampling_graphs_equal_eager():
