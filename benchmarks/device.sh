@@ -24,7 +24,7 @@
 #   topk       the heavy top-k kernel alone, by warps (tune_kernels.py topk)
 #   peak       what is allocated at the peak of a generate, by site (peak_memory.py; PEAK_ARGS overrides the
 #              shape, default B8 1k prompts)
-#   long       two runs of at most 270 s: Llama-3-8B shape B4 x 32k (one row in four padded) and Llama-3.1-8B
+#   long       long32k then long128k, two runs of at most 270 s: Llama-3-8B shape B4 x 32k (one row in four padded) and Llama-3.1-8B
 #              shape B1 x 128k, 128 new tokens timed per step: StaticCache in its own process, dense, the sparse
 #              presets at N_c 1024 / 2048 with the dense fallback off, ds@1024 likewise, and 1/2-1/2-1/2@1024 as
 #              configured by default; roofline and peak memory per row. LONG_PATHS overrides the paths
@@ -163,8 +163,12 @@ PY
       timeout 300 python3 benchmarks/peak_memory.py ${PEAK_ARGS:---batch 8 --prompt 1024} \
         --paths static,dense,$HS@512 2>&1 | grep -v Warning | tee "$OUT/peak_memory.log" ;;
     long)
+      one_gpu_part long32k
+      one_gpu_part long128k ;;
+    long32k)
       grid 270 --name long_llama3-8b_b4_p32k --shapes llama3-8b --rows 4 --prompts 32k --padded --new-tokens 128 \
-        --paths "$LONG_PATHS"
+        --paths "$LONG_PATHS" ;;
+    long128k)
       grid 270 --name long_llama3.1-8b_b1_p128k --shapes llama3.1-8b --rows 1 --prompts 128k --new-tokens 128 \
         --paths "$LONG_PATHS" ;;
     grid)
@@ -444,12 +448,12 @@ eval_part() {
 
 run_part() {
   case $1 in
-    suite|tests|selection|crossover|refine32k|llama2|unfused|llama3|prefix|b8|prefill|profile|gather|topk|peak|long|grid) one_gpu_part "$1" ;;
+    suite|tests|selection|crossover|refine32k|long32k|long128k|llama2|unfused|llama3|prefix|b8|prefill|profile|gather|topk|peak|long|grid) one_gpu_part "$1" ;;
     tests2gpu|tp8b|one8b|tp70b|devmap|fallback0|table2gpu) two_gpu_part "$1" 2>&1 | tee "$OUT/$1.log" ;;
     setup|fidelity|gsm8k|multi_news|ablation|ruler|fidelity8k|evalcmd)
       eval_part "$1" 2>&1 | tee "$OUT/$1.log" ;;
     *)
-      echo "unknown part '$1'; accepted: suite tests selection crossover refine32k llama2 unfused llama3 prefix b8 prefill profile gather topk peak" \
+      echo "unknown part '$1'; accepted: suite tests selection crossover refine32k long32k long128k llama2 unfused llama3 prefix b8 prefill profile gather topk peak" \
         "long grid | tests2gpu tp8b one8b tp70b devmap fallback0 table2gpu | setup fidelity gsm8k multi_news" \
         "ablation ruler fidelity8k evalcmd" >&2
       return 2 ;;
