@@ -221,10 +221,11 @@ def test_append_labels_at_a_device_column(bits, dtype):
 
 
 @pytest.mark.slow  # ~40 s in the interpreter
-@pytest.mark.parametrize("preset,prefix", [("ds", "off"), ("hshare-1_2-1_2-1_2", "on")])
+@pytest.mark.parametrize("preset,prefix", [("ds", "off"), ("hshare-1_2-1_2-1_2", "on"), ("hshare-refine", "off")])
 def test_generate_same_with_kernels_and_twins(monkeypatch, preset, prefix):
     """A patched generate routed through every Triton kernel (interpreter on CPU) gives the twins'
-    tokens and logits: label append, label scores, gather-attention (with the prefix partial)."""
+    tokens and logits: label append, label scores and top-k (of candidates too), gather-attention (with the
+    prefix partial)."""
     import hshare
     from conftest import tiny_llama, VOCAB
 
