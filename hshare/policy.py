@@ -170,12 +170,9 @@ class SelectionPolicy(ABC):
         `candidate_scores`, for the decode query ``[B, Hq, d]`` of rows ``[B']`` (None = all) and selection
         heads ``[B' or 1, H']`` (None = all); ``NO_TOKEN`` where fewer are allowed. The set is the contract.
         A policy that scores and selects candidates in one pass overrides it."""
-        scores = self.candidate_scores(query, candidates, rows, heads)
         safe = candidates.clamp(min=0)
         allowed = (candidates >= 0) & window[:, None].expand(-1, candidates.shape[1], -1).gather(-1, safe)
-        position = select_heavy(scores, allowed, heavy)
-        return torch.where(position >= 0, candidates.gather(-1, position.clamp(min=0)),
-                           torch.full_like(position, NO_TOKEN))
+        return top_candidates(self.candidate_scores(query, candidates, rows, heads), candidates, allowed, heavy)
 
     def write(self, column: torch.Tensor, keys: torch.Tensor) -> None:
         """Static shapes: the metadata of the key at the column held in the ``[1]`` int64 device
@@ -304,6 +301,13 @@ class SelectionPolicy(ABC):
             return tensor if self.sel_heads == self.kv_heads else tensor.index_select(1, kv_of_sel)
         count = tensor.shape[0]
         return tensor[torch.arange(count, device=tensor.device)[:, None], kv_of_sel[heads.expand(count, -1)]]
+
+
+def top_candidates(scores: torch.Tensor, candidates: torch.Tensor, allowed: torch.Tensor, heavy: int) -> torch.Tensor:
+    """The columns ``[..., heavy]`` of the `heavy` best-scored allowed candidates (scores, candidates, allowed:
+    ``[..., C]``), ``NO_TOKEN`` where fewer are allowed (`kernels.select_heavy` over candidate positions)."""
+    position = select_heavy(scores, allowed, heavy)
+    return torch.where(position >= 0, candidates.gather(-1, position.clamp(min=0)), torch.full_like(position, NO_TOKEN))
 
 
 def _columns(columns: int) -> int:

@@ -11,14 +11,10 @@ each reusing query.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from hshare.selection import NO_TOKEN, select_heavy
-
-if TYPE_CHECKING:
-    from hshare.policy import SelectionPolicy
+from hshare.policy import SelectionPolicy, top_candidates
+from hshare.selection import select_heavy
 
 
 def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torch.Tensor, count: int, heavy: int,
@@ -45,6 +41,4 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         return policy.candidate_heavy(query, candidates, window, heavy, rows, heads), candidates
     scores = policy.decode_scores(query, rows, heads)
     candidates = select_heavy(scores, window[:, None], count)
-    position = select_heavy(scores.gather(-1, candidates.clamp(min=0)), candidates >= 0, heavy)
-    chosen = torch.where(position >= 0, candidates.gather(-1, position.clamp(min=0)), torch.full_like(position, NO_TOKEN))
-    return chosen, candidates
+    return top_candidates(scores.gather(-1, candidates.clamp(min=0)), candidates, candidates >= 0, heavy), candidates

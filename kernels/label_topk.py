@@ -41,7 +41,7 @@ import torch
 
 from .critical_indices import NO_TOKEN
 from .dispatch import use_triton
-from .labels import candidate_label_scores, query_labels as gather_query_labels, score_heads_torch
+from .labels import candidate_label_scores, decode_query_labels, score_heads_torch
 
 
 def label_topk(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
@@ -150,13 +150,8 @@ def decode_label_topk_torch(query: torch.Tensor, channels: torch.Tensor, codes: 
                             scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int, heavy: int,
                             window: torch.Tensor | None = None, selectable: torch.Tensor | None = None,
                             rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
-    """The twin of `decode_label_topk` (same contract): `labels.query_labels`, then `label_topk_torch`."""
-    labels = gather_query_labels(query[:, :, None], channels)[:, :, 0]  # [B, H_sel, r]
-    if rows is not None:
-        labels = labels.index_select(0, rows)
-    if heads is not None:
-        picks = heads.expand(labels.shape[0], -1)[..., None].expand(-1, -1, labels.shape[-1])
-        labels = labels.gather(1, picks)
+    """The twin of `decode_label_topk` (same contract): `labels.decode_query_labels`, then `label_topk_torch`."""
+    labels = decode_query_labels(query, channels, rows, heads)  # [A, H', r]
     return label_topk_torch(labels, codes, scale, zero, bits, heavy, window, selectable, rows, heads)
 
 

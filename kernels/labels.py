@@ -208,13 +208,20 @@ def decode_label_scores(query: torch.Tensor, channels: torch.Tensor, codes: torc
         rows = torch.arange(query.shape[0], device=device) if rows is None else rows
         heads = torch.arange(channels.shape[1], device=device)[None] if heads is None else heads
         return score_heads_triton(None, codes, scale, zero, bits, rows, heads, query=query, channels=channels)
+    return score_heads(decode_query_labels(query, channels, rows, heads), codes, scale, zero, bits, rows, heads)
+
+
+def decode_query_labels(query: torch.Tensor, channels: torch.Tensor, rows: torch.Tensor | None = None,
+                        heads: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode query's labels (`query_labels` of ``[B, Hq, d]``) at rows ``[B']`` (None = all) and
+    selection heads ``[B' or 1, H']`` (None = all): ``[B', H', r]``."""
     labels = query_labels(query[:, :, None], channels)[:, :, 0]  # [B, H_sel, r]
     if rows is not None:
         labels = labels.index_select(0, rows)
     if heads is not None:
         picks = heads.expand(labels.shape[0], -1)[..., None].expand(-1, -1, labels.shape[-1])
         labels = labels.gather(1, picks)
-    return score_heads(labels, codes, scale, zero, bits, rows, heads)
+    return labels
 
 
 def candidate_label_scores(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
@@ -232,10 +239,10 @@ def candidate_label_scores(query: torch.Tensor, channels: torch.Tensor, codes: t
         rows: ``[B']`` batch rows (None = all); heads: ``[B' or 1, H']`` selection heads (None = all).
 
     Returns:
-        ``[B', H', C]`` fp32 scores (fp64 for fp64 queries). One gather of the candidates' label rows
-        (no Triton kernel: C rows per head are few).
+        ``[B', H', C]`` fp32 scores (fp64 for fp64 queries). One gather of the candidates' label rows: the
+        scores of `label_topk.candidate_label_topk_torch`, the twin of the fused candidate top-k.
     """
-    labels = query_labels(query[:, :, None], channels)[:, :, 0]  # [B, H_sel, r]
+    labels = decode_query_labels(query, channels, rows, heads)  # [B', H', r]
     count, width = columns.shape[0], columns.shape[1]
     device = columns.device
     row_index = (torch.arange(count, device=device) if rows is None else rows)[:, None, None]
@@ -243,5 +250,4 @@ def candidate_label_scores(query: torch.Tensor, channels: torch.Tensor, codes: t
     picks = (row_index, head_index, columns.clamp(min=0))  # [B', H', C] each (broadcast)
     keys = dequantize_labels(codes[picks], None if scale is None else scale[picks],
                              None if zero is None else zero[picks], bits, labels.dtype)  # [B', H', C, r]
-    labels = labels[row_index[..., 0], head_index[..., 0]]  # [B', H', r]
     return (keys @ labels[..., None])[..., 0]
