@@ -8,6 +8,7 @@
 #   suite      the whole fast test suite on the GPU, gpu_check.py, `hshare bench prefix` and `bench attention`
 #   tests      the GPU tests of static decode, prefill metadata and the decode kernels
 #   selection  the GPU tests of the fused label top-k (candidates too), candidate-set refinement and Quest
+#   linear     the decode step's weight products, decode_linear_triton's tiles against cuBLAS (decode_linear.py)
 #   crossover  shared prefix or per-row dense decode attention under CUDA graphs (prefix_crossover.py)
 #   refine32k  Llama-3-8B shape B4 x 32k (one row in four padded), 64 new tokens timed per step:
 #              1/2-1/2-1/2, hshare-refine and quest at N_c 1024 as configured by default
@@ -119,6 +120,8 @@ one_gpu_part() {
     selection)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_label_topk.py tests/test_refine.py tests/test_quest.py \
         2>&1 | tail -25 | tee "$OUT/pytest_gpu_selection.log" ;;
+    linear)
+      timeout 400 python3 benchmarks/decode_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/decode_linear.log" ;;
     crossover)
       timeout 300 python3 benchmarks/prefix_crossover.py 2>&1 | tee "$OUT/prefix_crossover.log" ;;
     refine32k)
@@ -448,7 +451,7 @@ eval_part() {
 
 run_part() {
   case $1 in
-    suite|tests|selection|crossover|refine32k|long32k|long128k|llama2|unfused|llama3|prefix|b8|prefill|profile|gather|topk|peak|long|grid) one_gpu_part "$1" ;;
+    suite|tests|selection|linear|crossover|refine32k|long32k|long128k|llama2|unfused|llama3|prefix|b8|prefill|profile|gather|topk|peak|long|grid) one_gpu_part "$1" ;;
     tests2gpu|tp8b|one8b|tp70b|devmap|fallback0|table2gpu) two_gpu_part "$1" 2>&1 | tee "$OUT/$1.log" ;;
     setup|fidelity|gsm8k|multi_news|ablation|ruler|fidelity8k|evalcmd)
       eval_part "$1" 2>&1 | tee "$OUT/$1.log" ;;

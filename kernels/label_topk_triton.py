@@ -294,6 +294,26 @@ def _window(window_ptr, i, n, HAS_WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr,
+                  mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb,
+                  HEADS: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, LOAD_BYTES: tl.constexpr,
+                  GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK_: tl.constexpr):
+    """Row-head `pid`'s chunk `chunk`: its columns ``[CHUNK_]`` and their keys (`_chunk_keys`); a chunk
+    outside the row's window loads nothing (every column masked) and has no key."""
+    i = (pid // HEADS).to(tl.int64)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    head = tl.load(heads_ptr + i * s_hb + pid % HEADS).to(tl.int64)
+    start, end = _window(window_ptr, i, n, HAS_WINDOW)
+    cols = chunk * CHUNK_ + tl.arange(0, CHUNK_)
+    key = _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
+                      pid, i, row, head, cols, start, end,
+                      s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_mb,
+                      R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_MASK)
+    return cols, key
+
+
+@triton.jit
 def _label_topk_sketch(
     ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr, mask_ptr,
     sketch_ptr, done_ptr, out_ptr, n, heavy, r0, r1, r2, r3,
@@ -305,16 +325,10 @@ def _label_topk_sketch(
     """Program (row-head pid, chunk): the chunk's sketch, or with SINGLE (one chunk) the row's columns."""
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
-    i = (pid // HEADS).to(tl.int64)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    head = tl.load(heads_ptr + i * s_hb + pid % HEADS).to(tl.int64)
-    start, end = _window(window_ptr, i, n, HAS_WINDOW)
-    cols = chunk * CHUNK_ + tl.arange(0, CHUNK_)
-    # a chunk outside the window loads nothing (every column masked) and has no key
-    key = _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
-                      pid, i, row, head, cols, start, end,
-                      s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_mb,
-                      R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_MASK)
+    cols, key = _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr,
+                              window_ptr, mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb,
+                              s_sh, s_zb, s_zh, s_hb, s_mb, HEADS, R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS,
+                              FROM_QUERY, HAS_WINDOW, HAS_MASK, CHUNK_)
     if SINGLE:
         _top_columns(out_ptr + pid.to(tl.int64) * heavy, key, cols, heavy, TILE)
     else:
@@ -403,7 +417,6 @@ def _label_topk_select(
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
-    i = (pid // HEADS).to(tl.int64)
 
     # the row-head's sketches -> L, each chunk's slot range (the same in every program of the row-head)
     cs = tl.arange(0, CHUNKS_PAD)
@@ -434,14 +447,10 @@ def _label_topk_select(
     buf = cand_ptr + pid.to(tl.int64) * cand_stride
 
     if my_upper > 0:  # this chunk has keys >= L: score it again, write them in column order
-        row = tl.load(rows_ptr + i).to(tl.int64)
-        head = tl.load(heads_ptr + i * s_hb + pid % HEADS).to(tl.int64)
-        start, end = _window(window_ptr, i, n, HAS_WINDOW)
-        cols = chunk * CHUNK_ + tl.arange(0, CHUNK_)
-        key = _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
-                          pid, i, row, head, cols, start, end,
-                          s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_mb,
-                          R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_MASK)
+        cols, key = _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr,
+                                  window_ptr, mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn,
+                                  s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, HEADS, R, BITS, LOAD_BYTES, GROUP,
+                                  PER_ROW_CHANNELS, FROM_QUERY, HAS_WINDOW, HAS_MASK, CHUNK_)
         above = key > bound
         tie = key == bound
         # of the keys equal to L the row needs at most need - (its keys above L) <= need - (ours above L)
