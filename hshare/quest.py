@@ -31,11 +31,12 @@ held in a device tensor.
 
 A selection step (`QuestPageCache.decode_heavy`) never builds those keys: it sorts the P page scores,
 finds each heavy slot's page by a search over the ranked pages' cumulative counts and its column by a
-search over the row's running count (counted within pages, then across them: no scan over n columns),
-O(P log P + heavy log n) per (row, head) instead of a key and a top-k over every column.
+search among its page's selectable columns, O(P log P + heavy log P) per (row, head) instead of a key
+and a top-k over every column (`kernels.page_heavy`).
 
-The page scores of a decode query are one Triton launch on CUDA (`kernels.page_scores`); the rest is
-plain PyTorch (CPU and CUDA alike); nothing here goes through the label kernels.
+On CUDA a decode selection is two Triton launches per layer: the page scores (`kernels.page_scores`)
+and the heavy columns from them (`kernels.page_heavy`); their twins run on CPU. Nothing here goes
+through the label kernels.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch
 
 from hshare.config import HShareConfig, PolicyConfig, check_int
 from hshare.policy import SelectionPolicy, register_policy
-from hshare.kernels import NO_TOKEN, page_scores
+from hshare.kernels import page_heavy, page_scores
 
 if TYPE_CHECKING:
     from hshare.buffer import GrowingBuffer
@@ -270,27 +271,7 @@ class QuestPageCache(SelectionPolicy):
         """The heavy columns ``[B', H', heavy]`` of a selection step from the page scores alone: the set the
         top-`heavy` of `decode_scores` over the selectable window ``[B', n]`` takes (the selectable columns of
         the best pages, page after page, the last page cut after its first columns; ``NO_TOKEN`` past the
-        window's size), without a key per column. The window is laid out by page (``[B', P, page_size]``) and
-        counted within each page, then across pages (no scan over a row's n columns); the P page scores are
-        sorted; each heavy slot finds its page by a search over the ranked pages' cumulative counts, and its
-        column by a search over the row's running count."""
+        window's size), without a key per column (`kernels.page_heavy`)."""
         scores = self.page_scores(query[:, :, None], rows, heads)[:, :, 0]  # [B', H', P]
-        count, width, pages = scores.shape
-        size, n, device = self.page_size, selectable.shape[-1], scores.device
         shift = self.shift if rows is None else self.shift.index_select(0, rows)
-        column_of = torch.arange(pages * size, device=device)[None, :] - shift[:, None]  # [B', P * size]
-        by_page = selectable.gather(1, column_of.clamp(0, n - 1)) & (column_of >= 0) & (column_of < n)
-        in_page = by_page.view(count, pages, size).cumsum(-1, dtype=torch.int32)  # selectable up to each offset
-        per_page = in_page[..., -1]  # [B', P]
-        before = per_page.cumsum(-1) - per_page  # selectable columns in earlier pages
-        running = (in_page + before[..., None]).view(count, pages * size)  # up to each virtual column
-        order = scores.sort(dim=-1, descending=True, stable=True).indices  # ties: the earlier page first
-        in_order = per_page[:, None].expand(count, width, pages).gather(-1, order)
-        reach = in_order.cumsum(-1)  # [B', H', P] selectable columns up to each ranked page
-        slot = torch.arange(heavy, device=device, dtype=reach.dtype).expand(count, width, heavy).contiguous()
-        ranked = torch.searchsorted(reach, slot, right=True).clamp(max=pages - 1)  # the page holding each slot
-        page = order.gather(-1, ranked)
-        offset = slot - (reach.gather(-1, ranked) - in_order.gather(-1, ranked))  # its rank inside the page
-        rank = before[:, None].expand(count, width, pages).gather(-1, page) + offset  # its rank in the row
-        virtual = torch.searchsorted(running, (rank + 1).reshape(count, -1)).reshape(rank.shape)
-        return torch.where(slot < reach[..., -1:], virtual - shift[:, None, None], torch.full_like(virtual, NO_TOKEN))
+        return page_heavy(scores, selectable, shift, self.page_size, heavy)

@@ -16,6 +16,7 @@ from .labels import append_labels, candidate_label_scores, decode_label_scores, 
     quantize_labels, query_labels, score_heads
 from .merge import merge_attention_splits, merge_attention_states
 from .page_scores import page_scores, page_scores_torch
+from .page_topk import page_heavy, page_heavy_torch
 from .prefix_attention import attention_with_lse, attention_with_lse_torch, shared_prefix_attention, \
     shared_prefix_decode_states
 from .shared_decode import PrefixKV, shared_decode_attention, shared_decode_attention_torch
@@ -56,6 +57,8 @@ __all__ = [
     "shared_decode_attention",
     "shared_decode_attention_torch",
     "shared_prefix_decode_states",
+    "page_heavy",
+    "page_heavy_torch",
     "page_scores",
     "page_scores_torch",
     "split_decode_attention",

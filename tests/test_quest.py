@@ -370,3 +370,43 @@ def test_page_score_kernel_matches_the_twin_and_brute_force(dtype, q_heads, kv_h
         reference = brute[index_rows[:, None], index_heads.expand(count, -1), 0]
         mask = has[index_rows][:, None].expand_as(reference)
         torch.testing.assert_close(got.cpu().double()[mask], reference[mask], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("seed,page_size", [(0, 1), (1, 3), (2, 16), (3, 4)])
+def test_page_heavy_kernel_matches_the_twin_and_the_ranking_keys(seed, page_size):
+    """The Triton heavy columns from page scores (interpreted on CPU) equal the twin's, slot for slot, and
+    take the set of the top-`heavy` per-column ranking keys: tied scores (to the earlier page), ``-0.0``
+    beside ``0.0``, ``-inf`` scores of pages without keys, windows with holes, an empty window, pages past
+    the window (a static reserve), more pages than one block, budgets past the window's size."""
+    pytest.importorskip("triton")
+    import os
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    from hshare.kernels import page_heavy_torch
+    from hshare.kernels.page_topk_triton import page_heavy_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(seed)
+    rows, heads = 3, 1 + seed % 2
+    n = int(torch.randint(200, 300, (1,), generator=gen))
+    shift = torch.randint(0, page_size, (rows,), generator=gen)
+    pages = (n + page_size - 1) // page_size + 1 + seed  # a reserve of unreached pages
+    scores = torch.randn(rows, heads, pages, generator=gen)
+    scores[:, :, ::3] = scores[:, :, ::3].round()  # ties
+    scores[:, 0, ::7] = 0.0
+    scores[:, 0, 3::7] = -0.0
+    scores[:, -1, -3:] = float("-inf")
+    selectable = torch.rand(rows, n, generator=gen) < 0.7
+    selectable[:, :3] = False  # a sink
+    selectable[1, n // 2:] = False  # a short window
+    selectable[2] = selectable[2] & (seed != 2)  # an empty window
+    args = (scores.to(device), selectable.to(device), shift.to(device), page_size)
+    for heavy in (1, 37, n + 5) if seed == 0 else (37, n + 5):
+        got = page_heavy_triton(*args, heavy)
+        assert torch.equal(got, page_heavy_torch(*args, heavy)), heavy
+        virtual = torch.arange(n)[None, :] + shift[:, None]
+        rank = scores.sort(dim=-1, descending=True, stable=True).indices.argsort(-1)  # each page's rank
+        keys = (pages - rank.gather(-1, (virtual // page_size)[:, None].expand(rows, heads, n))) * page_size \
+            - (virtual % page_size)[:, None]
+        expected = select_heavy(keys.double(), selectable[:, None], heavy)
+        assert torch.equal(got.cpu().sort(-1).values, expected.sort(-1).values), heavy
