@@ -234,9 +234,16 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
     rows = share.select_rows
     if rows is None or len(rows):
         middle, source_heads, head_slot, copy_heads = _source_rows(share, window)
-        chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows,
-                                           heads=None if share.all_heads else source_heads)
-        if not share.all_heads:  # every head's source candidates; copying heads refine them
+        if share.all_heads:
+            chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows)
+        elif layer.policy.scores_candidates:
+            # the source heads' candidates given to every head; every head, source or copy, keeps its own
+            # heavy of them in one refinement (a source head's: the top `heavy` of its window)
+            picked = _per_head(layer.policy.decode_heavy(decode_query, middle, count, rows, source_heads), head_slot)
+            chosen = layer.policy.candidate_heavy(decode_query, picked, middle, kept, rows=rows)
+        else:  # heavy and candidates from the source heads' scores; copying heads refine their source's
+            chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows,
+                                               heads=source_heads)
             picked, chosen = _per_head(picked, head_slot), _per_head(chosen, head_slot)
             copies = copy_heads.expand(chosen.shape[0], -1)
             refined = layer.policy.candidate_heavy(decode_query, picked.gather(
