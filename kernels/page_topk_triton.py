@@ -23,6 +23,7 @@ import triton.language as tl
 
 from .critical_indices import NO_TOKEN
 
+_NO_TOKEN = tl.constexpr(NO_TOKEN)
 BLOCK_PAGES = 64  # pages counted at once
 BLOCK_SLOTS = 128  # heavy slots resolved at once
 
@@ -82,7 +83,7 @@ def _page_heavy(
         flags = tl.load(sel_row + column, mask=ok, other=0).to(tl.int32)
         inside = tl.sum((tl.cumsum(flags, 1) <= offset[:, None]).to(tl.int32), 1)  # flags before the wanted one
         found = chosen.to(tl.int64) * SIZE + inside - shift
-        result = tl.where(slot < total, found, NO_TOKEN)
+        result = tl.where(slot < total, found, _NO_TOKEN)
         tl.store(out_ptr + pid * heavy + slot, result, mask=slot < heavy)
 
 
