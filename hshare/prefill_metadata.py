@@ -11,8 +11,10 @@ KV are. The planner keeps for the layer only what the cache does not: the policy
 queries (heavy channels, no token buffers yet; on the layer), what the policy scores of the evidence rows' queries
 (`SelectionPolicy.score_query`: for labels ``[B, H_sel, W, r]``, a quarter of the queries at r = 16 in
 fp32, 12 MiB less for 32 layers of 16 rows, 32 heads) and the keys' validity ``[B, n]``, one copy
-shared by the layers of a forward (`PendingPrefill`). Sparse prefill needs the metadata inside the
-layer and completes it there.
+shared by the layers of a forward (`PendingPrefill`). On CUDA both wait in pinned host memory (copies
+ordered on the stream, no sync): at the forward's peak a sparse preset then holds on the device only
+what an unpatched forward holds. Sparse prefill needs the metadata inside the layer and completes it
+there.
 """
 
 from __future__ import annotations
@@ -40,17 +42,33 @@ class PendingPrefill:
         evidence_query: the last W prompt queries as the layer's policy scores them
             (`SelectionPolicy.score_query` of ``[B, Hq, W, d]``; the planner's evidence rows), or None
             when no greedy plan will use them.
+        device: where the layer's keys live (both tensors wait on the host when it is CUDA: `park`).
     """
 
     valid: torch.Tensor
     evidence_query: torch.Tensor | None
+    device: torch.device
+
+
+def park(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` off the device for the rest of a forward: CUDA tensors in pinned host memory
+    (a copy ordered on the current stream, no sync; `unpark` brings it back in stream order), others cloned."""
+    if not tensor.is_cuda:
+        return tensor.clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def unpark(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device` again (a no-op where it already is)."""
+    return tensor.to(device, non_blocking=True)
 
 
 def defer(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
           valid: torch.Tensor) -> None:
     """Inside a prefill forward: make the layer's selection policy at its first prefill (heavy channels
-    from the prompt's queries and keys) and record what `complete` needs (copies: the forward's
-    tensors are freed).
+    from the prompt's queries and keys) and record what `complete` needs (copies, parked off the device:
+    the forward's tensors are freed).
 
     Args:
         query: ``[B, Hq, T, d]`` the prefill queries; key: ``[B, Hkv, n, d]`` all cached keys;
@@ -64,14 +82,12 @@ def defer(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch
     evidence = None
     if planner.collects_evidence:
         rows = min(cache.config.planner.rows, query.shape[2])
-        evidence = layer.policy.score_query(query[:, :, query.shape[2] - rows:])
-        if evidence._base is not None:  # a view of the forward's queries, which are freed: keep a copy
-            evidence = evidence.clone()
+        evidence = park(layer.policy.score_query(query[:, :, query.shape[2] - rows:]))
     # one copy of the validity per forward: every layer sees the same mask (views with one address)
     source = (valid.data_ptr(), valid.shape, valid.stride())
     if planner.prefill_valid is None or planner.prefill_valid[0] != source:
-        planner.prefill_valid = (source, valid.clone())
-    planner.pending[layer_idx] = PendingPrefill(planner.prefill_valid[1], evidence)
+        planner.prefill_valid = (source, park(valid))
+    planner.pending[layer_idx] = PendingPrefill(planner.prefill_valid[1], evidence, key.device)
 
 
 def complete(cache: HShareCache, planner: StepPlanner, layer_idx: int) -> None:
@@ -80,11 +96,12 @@ def complete(cache: HShareCache, planner: StepPlanner, layer_idx: int) -> None:
     pending = planner.pending.pop(layer_idx, None)
     if pending is None:
         return
-    keys = layer.keys[:, :, :pending.valid.shape[1]]  # the prefill's columns (a decode step may have added one)
+    valid = unpark(pending.valid, pending.device)
+    keys = layer.keys[:, :, :valid.shape[1]]  # the prefill's columns (a decode step may have added one)
     start = layer.policy.length
-    layer.policy.append(keys[:, :, start:], pending.valid[:, start:])
+    layer.policy.append(keys[:, :, start:], valid[:, start:])
     if pending.evidence_query is not None:
-        record_evidence(cache, planner, layer_idx, pending.evidence_query, pending.valid)
+        record_evidence(cache, planner, layer_idx, unpark(pending.evidence_query, pending.device), valid)
 
 
 def record_evidence(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch.Tensor,

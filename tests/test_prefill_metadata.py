@@ -88,9 +88,10 @@ def test_evidence_held_through_the_forward_is_what_the_policy_scores(preset):
     """The planner's evidence waits through the forward in the form its policy scores
     (`SelectionPolicy.score_query`): labels keep the query labels ``[B, H_sel, W, r]`` (not the queries),
     Quest a copy of the queries (not a view of the forward's tensor). The layers share one copy of the
-    keys' validity."""
-    model = tiny_llama(layers=4, kv_heads=2)
-    ids, mask = left_padded([int(n) for n in torch.randint(20, 40, (3,))])
+    keys' validity. On a GPU both wait in pinned host memory, off the device at the forward's peak."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_llama(layers=4, kv_heads=2).to(device)
+    ids, mask = (t.to(device) for t in left_padded([int(n) for n in torch.randint(20, 40, (3,))]))
     held = []
 
     def record(module, args, output):
@@ -107,9 +108,11 @@ def test_evidence_held_through_the_forward_is_what_the_policy_scores(preset):
     config, rows = cache.config, cache.config.planner.rows
     assert len(held) == len(cache.sparse_layers) > 1
     assert all(pending.valid is held[0].valid for pending in held)  # one copy of the keys' validity per forward
+    assert held[0].valid.device.type == "cpu" and (device == "cpu" or held[0].valid.is_pinned())
     assert held[0].valid._base is None and cache.planner.prefill_valid is None  # a copy, dropped once complete
     for evidence in (pending.evidence_query for pending in held):
         assert evidence._base is None
+        assert evidence.device.type == "cpu" and (device == "cpu" or evidence.is_pinned())
         if config.policy.name == "labels":
             assert evidence.shape == (3, cache.sel_heads, rows, config.policy.channels)
         else:
