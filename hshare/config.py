@@ -325,10 +325,6 @@ class RuntimeConfig:
             embedding and MLP activation run as inductor-fused kernels (`hshare.elementwise_fusion`)
             instead of about 25 small kernels a layer; results equal the unfused step up to the order
             of a reduction. False = the model's own eager kernels in the graph.
-        weight_kernels: inside those captured steps, each linear layer's product runs on the faster of
-            cuBLAS and a weight-streaming Triton product at its shape (rows, N, K), timed once per shape
-            on the device (`hshare.weight_products`, `kernels.decode_linear`); results equal cuBLAS's up
-            to the order of a sum. False = cuBLAS (``F.linear``) throughout.
         dense_fallback_mib: a decode step runs exact dense attention unless sparse attention saves at
             least this many MiB of K/V reads per layer, ``rows x (own columns - N_c) x`` K/V bytes per
             token (`hshare.step.StepPlanner.sparse_pays`; ``cache.planner.decision`` says what the last
@@ -343,12 +339,11 @@ class RuntimeConfig:
 
     cuda_graphs: bool = True
     compile_elementwise: bool = True
-    weight_kernels: bool = True
     dense_fallback_mib: float | None = None
     sparse_prefill: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("cuda_graphs", "compile_elementwise", "weight_kernels", "sparse_prefill"):
+        for name in ("cuda_graphs", "compile_elementwise", "sparse_prefill"):
             check_bool(f"runtime.{name}", getattr(self, name))
         mib = self.dense_fallback_mib
         if mib is not None:
@@ -382,7 +377,6 @@ OPTION_NAMES: dict[str, tuple[str, str]] = {
     "prefix_min_batch": ("prefix", "min_batch"), "prefix_min_saved_tokens": ("prefix", "min_saved_tokens"),
     "prefix_levels": ("prefix", "levels"),
     "cuda_graphs": ("runtime", "cuda_graphs"), "compile_elementwise": ("runtime", "compile_elementwise"),
-    "weight_kernels": ("runtime", "weight_kernels"),
     "dense_fallback_mib": ("runtime", "dense_fallback_mib"), "sparse_prefill": ("runtime", "sparse_prefill"),
 }
 DEFAULT_POLICY = "labels"

@@ -18,9 +18,7 @@ host from the step:
    costs a few small host launches (the inputs, the column, the validity) plus one graph launch.
 3. **Fused elementwise work.** Inside the recorded steps the layers' norms, rotary embedding and MLP
    activation run compiled by inductor (`hshare.elementwise_fusion`, ``compile_elementwise``): what
-   transformers' compiled StaticCache path fuses, without compiling the step itself. Each linear
-   layer's product runs on the faster of cuBLAS and a weight-streaming Triton product at its shape
-   (`hshare.weight_products`, ``weight_kernels``), planned at the first, eager step.
+   transformers' compiled StaticCache path fuses, without compiling the step itself.
 4. **Plan on the host, open in the graph.** Each step is planned on the host as in eager decode
    (`hshare.step.StepPlanner.begin_static_step`: kind, schedule, plan, host counters); the captured
    step opens it (the decoder's pre-hook: row windows from the device validity) and runs the layers,
@@ -50,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hshare import compat, weight_products
+from hshare import compat
 from hshare.cache import HShareCache
 from hshare.elementwise_fusion import ElementwiseFusion
 from hshare.graphs import StepGraphs
@@ -81,8 +79,6 @@ class StaticDecodeReport:
         reserved: own columns per row the buffers were reserved for.
         fusion: how the captured steps run the layers' elementwise work: "fused" (inductor kernels,
             `hshare.elementwise_fusion`), or why not ("compile_elementwise=False", a compile error).
-        weight_products: how they run the linear layers' products: "planned" (`hshare.weight_products`:
-            per shape the faster of cuBLAS and the Triton product) or "weight_kernels=False" (cuBLAS).
         compile_seconds: host seconds spent compiling the fused pieces (0 once compiled at this shape).
         eager_seconds: seconds of the eager steps run before a capture (none where this process ran a
             step of the same kind and signature before: `warm_signature`).
@@ -94,7 +90,6 @@ class StaticDecodeReport:
     capture_seconds: dict[str, float] = field(default_factory=dict)
     reserved: int = 0
     fusion: str = ""
-    weight_products: str = ""
     compile_seconds: float = 0.0
     eager_seconds: float = 0.0
 
@@ -164,7 +159,6 @@ class StaticDecoder:
         self.model = model
         self.window = sliding_window(model.config)
         self.fusion: ElementwiseFusion | None = None
-        self.route_products = False  # the recorded steps' linear layers through `hshare.weight_products`
         self.graphs: StepGraphs | None = None
         self.inputs: dict[str, torch.Tensor] = {}
         self.constants: dict[str, Any] = {}
@@ -251,7 +245,7 @@ class StaticDecoder:
 
     def _step(self) -> torch.Tensor:
         """One decode step over the static buffers (the decoder's pre-hook opens the planned step)."""
-        with self.fusion.active() if self.fusion is not None else contextlib.nullcontext(), self._products():
+        with self.fusion.active() if self.fusion is not None else contextlib.nullcontext():
             return self.forward(**self.inputs, **self.constants, **{compat.CACHE_KWARG: self.cache},
                                 attention_mask=None, use_cache=True, return_dict=True).logits
 
@@ -280,14 +274,8 @@ class StaticDecoder:
         self.graphs = StepGraphs(device) if device.type == "cuda" else None
         if self.graphs is not None:  # the report shows the graphs' own counts (kept as they capture and replay)
             self.report.replays, self.report.capture_seconds = self.graphs.replays, self.graphs.capture_seconds
-            self.route_products = cache.config.runtime.weight_kernels
-            self.report.weight_products = "planned" if self.route_products else "weight_kernels=False"
             self._fuse(cache)
         return None
-
-    def _products(self):
-        """The block in which the recorded steps' linear layers run `hshare.weight_products` (if asked)."""
-        return weight_products.routed() if self.route_products else contextlib.nullcontext()
 
     def _fuse(self, cache: HShareCache) -> None:
         """Compile the layers' elementwise work for the captured steps, where the config asks for it."""
@@ -295,8 +283,7 @@ class StaticDecoder:
             self.report.fusion = "compile_elementwise=False"
             return
         fusion = ElementwiseFusion(self.model)
-        with self._products():  # compiled as the steps will run it: the MLP's products as the routed op
-            error = fusion.warm_up(cache.static.valid.shape[0])
+        error = fusion.warm_up(cache.static.valid.shape[0])
         self.report.compile_seconds = fusion.compile_seconds
         self.report.fusion = error or "fused"
         self.fusion = None if error else fusion
