@@ -33,7 +33,7 @@ from hshare.step import DecodeStep
 from hshare.heads import head_shard
 from hshare.kernels import attention_with_lse, gather_attention, merge_attention_states, split_decode_attention
 from hshare.refine import select_candidates
-from hshare.selection import NO_TOKEN, valid_columns_from_mask
+from hshare.selection import NO_TOKEN, per_head, valid_columns_from_mask
 from hshare.sparse_prefill import sparse_prefill_attention
 
 ATTENTION_NAME = "hshare"
@@ -201,7 +201,7 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
         heads = None if share.all_heads else source_heads
         chosen = layer.policy.decode_heavy(query[:, :, 0], middle, config.budget.heavy, rows=rows, heads=heads)
         if not share.all_heads:
-            chosen = _per_head(chosen, head_slot)
+            chosen = per_head(chosen, head_slot)
         heavy = _in_batch(chosen, rows, query.shape[0])
     for source_layer, copy_rows in share.copy_groups:
         source = cache.layers[source_layer].heavy
@@ -234,21 +234,8 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
     rows = share.select_rows
     if rows is None or len(rows):
         middle, source_heads, head_slot, copy_heads = _source_rows(share, window)
-        if share.all_heads:
-            chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows)
-        elif layer.policy.scores_candidates:
-            # the source heads' candidates given to every head; every head, source or copy, keeps its own
-            # heavy of them in one refinement (a source head's: the top `heavy` of its window)
-            picked = _per_head(layer.policy.decode_heavy(decode_query, middle, count, rows, source_heads), head_slot)
-            chosen = layer.policy.candidate_heavy(decode_query, picked, middle, kept, rows=rows)
-        else:  # heavy and candidates from the source heads' scores; copying heads refine their source's
-            chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows,
-                                               heads=source_heads)
-            picked, chosen = _per_head(picked, head_slot), _per_head(chosen, head_slot)
-            copies = copy_heads.expand(chosen.shape[0], -1)
-            refined = layer.policy.candidate_heavy(decode_query, picked.gather(
-                1, copies[..., None].expand(-1, -1, count)), middle, kept, rows=rows, heads=copy_heads)
-            chosen = chosen.scatter(1, copies[..., None].expand(-1, -1, kept), refined)
+        sharing = {} if share.all_heads else dict(heads=source_heads, head_slot=head_slot, copy_heads=copy_heads)
+        chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows, **sharing)
         heavy, candidates = _in_batch(chosen, rows, batch), _in_batch(picked, rows, batch)
     for source_layer, copy_rows in share.copy_groups:
         source = cache.layers[source_layer].candidates
@@ -277,12 +264,6 @@ def _source_rows(share, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         source_heads, head_slot = source_heads.index_select(0, rows), head_slot.index_select(0, rows)
         copy_heads = copy_heads.index_select(0, rows)
     return window.index_select(0, rows), source_heads, head_slot, copy_heads
-
-
-def _per_head(columns: torch.Tensor, head_slot: torch.Tensor) -> torch.Tensor:
-    """``[B', n_src, k]`` columns of the source heads -> ``[B', H_sel, k]``: each head its source's."""
-    slots = head_slot.expand(columns.shape[0], -1)[..., None].expand(-1, -1, columns.shape[-1])
-    return columns.gather(1, slots)
 
 
 def _in_batch(columns: torch.Tensor, rows: torch.Tensor | None, batch: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 from hshare.buffer import GrowingBuffer
 from hshare.config import ConfigError, HShareConfig, PolicyConfig
 from hshare.kernels import NO_TOKEN, select_heavy
+from hshare.kernels.selection_heads import kv_heads_read, pick_heads
 
 if TYPE_CHECKING:
     from hshare.heads import HeadShard
@@ -282,25 +283,15 @@ class SelectionPolicy(ABC):
     def pick_selection_heads(self, tensor: torch.Tensor, rows: torch.Tensor | None = None,
                              heads: torch.Tensor | None = None) -> torch.Tensor:
         """A per-selection-head tensor ``[B, H_sel, ...]`` at rows ``[B']`` (None = all) and heads
-        ``[B' or 1, H']`` (None = all): ``[B', H', ...]``."""
-        if rows is not None:
-            tensor = tensor.index_select(0, rows)
-        if heads is None:
-            return tensor
-        count = tensor.shape[0]
-        return tensor[torch.arange(count, device=tensor.device)[:, None], heads.expand(count, -1)]
+        ``[B' or 1, H']`` (None = all): ``[B', H', ...]`` (`kernels.selection_heads.pick_heads`)."""
+        return pick_heads(tensor, rows, heads)
 
     def per_selection_head(self, tensor: torch.Tensor, rows: torch.Tensor | None = None,
                            heads: torch.Tensor | None = None) -> torch.Tensor:
         """A per-KV-head tensor ``[B, Hkv, ...]`` as the selection heads read it, at rows ``[B']``
-        (None = all) and heads ``[B' or 1, H']`` (None = all H_sel): ``[B', H', ...]``."""
-        if rows is not None:
-            tensor = tensor.index_select(0, rows)
-        kv_of_sel = torch.arange(self.sel_heads, device=tensor.device) * self.kv_heads // self.sel_heads
-        if heads is None:
-            return tensor if self.sel_heads == self.kv_heads else tensor.index_select(1, kv_of_sel)
-        count = tensor.shape[0]
-        return tensor[torch.arange(count, device=tensor.device)[:, None], kv_of_sel[heads.expand(count, -1)]]
+        (None = all) and heads ``[B' or 1, H']`` (None = all H_sel): ``[B', H', ...]``
+        (`kernels.selection_heads.kv_heads_read`)."""
+        return kv_heads_read(tensor, self.sel_heads, rows, heads)
 
 
 def top_candidates(scores: torch.Tensor, candidates: torch.Tensor, allowed: torch.Tensor, heavy: int) -> torch.Tensor:

@@ -14,31 +14,45 @@ from __future__ import annotations
 import torch
 
 from hshare.policy import SelectionPolicy, top_candidates
-from hshare.selection import select_heavy
+from hshare.selection import per_head, select_heavy
 
 
 def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torch.Tensor, count: int, heavy: int,
-                      rows: torch.Tensor | None = None, heads: torch.Tensor | None = None
+                      rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
+                      head_slot: torch.Tensor | None = None, copy_heads: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A selecting head's heavy columns and candidates: the top C of its scores of every column in the window,
-    and the top `heavy` of those (= the top `heavy` of the window).
+    """A selecting layer's heavy columns and candidates: each source head's top C of its scores of every
+    column in the window, and the top `heavy` of those (= the top `heavy` of the window); with head sharing,
+    each copying head's own top `heavy` among its source head's candidates.
 
     Args:
         policy: the layer's selection policy; query: ``[B, Hq, d]`` the decode query of every row.
         window: ``[B', n]`` bool, the selectable columns of rows `rows` (None = all).
         count: C candidates; heavy: the heavy columns kept, <= C.
-        heads: ``[B' or 1, H']`` selection heads (None = all H_sel).
+        heads: ``[P, n_src]`` the source heads (None = every selection head selects, and the rest is None);
+        head_slot: ``[P, H_sel]`` each head's slot among them; copy_heads: ``[P, H_sel - n_src]`` the heads
+            that copy (P = 1 for a batch plan, else B').
 
     Returns:
-        ``(heavy [B', H', heavy], candidates [B', H', C])`` int64 columns (``NO_TOKEN`` where the window holds
-        fewer). A policy that scores candidates alone (`SelectionPolicy.scores_candidates`) selects the C
-        (`SelectionPolicy.decode_heavy`) and then its heavy among them (`SelectionPolicy.candidate_heavy`:
-        C rows scored again), so no ``[B', H', n]`` score tensor is needed; another selects both from one
-        score tensor.
+        ``(heavy, candidates)``: ``[B', H, heavy]`` and ``[B', H, C]`` int64 columns (H = n_src without
+        `head_slot`, else H_sel; ``NO_TOKEN`` where the window holds fewer). A policy that scores candidates
+        alone (`SelectionPolicy.scores_candidates`) selects the C (`SelectionPolicy.decode_heavy`) and every
+        head its heavy among its source's C (`SelectionPolicy.candidate_heavy`, one pass over every head: a
+        source head's C rows scored again), so no ``[B', H', n]`` score tensor is needed; another selects a
+        source head's C and heavy from one score tensor, and its copying heads refine.
     """
     if policy.scores_candidates:
         candidates = policy.decode_heavy(query, window, count, rows, heads)
+        if head_slot is not None:
+            candidates, heads = per_head(candidates, head_slot), None
         return policy.candidate_heavy(query, candidates, window, heavy, rows, heads), candidates
     scores = policy.decode_scores(query, rows, heads)
     candidates = select_heavy(scores, window[:, None], count)
-    return top_candidates(scores.gather(-1, candidates.clamp(min=0)), candidates, candidates >= 0, heavy), candidates
+    chosen = top_candidates(scores.gather(-1, candidates.clamp(min=0)), candidates, candidates >= 0, heavy)
+    if head_slot is None:
+        return chosen, candidates
+    candidates, chosen = per_head(candidates, head_slot), per_head(chosen, head_slot)
+    copies = copy_heads.expand(chosen.shape[0], -1)
+    refined = policy.candidate_heavy(query, candidates.gather(1, copies[..., None].expand(-1, -1, count)), window,
+                                     heavy, rows=rows, heads=copy_heads)
+    return chosen.scatter(1, copies[..., None].expand(-1, -1, heavy), refined), candidates

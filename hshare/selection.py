@@ -170,3 +170,10 @@ def prefill_middle_windows(valid_rows: torch.Tensor, sink: int, local: int) -> t
     n_valid = valid_rows.sum(-1, keepdim=True)
     rank = valid_rows.long().cumsum(-1) - 1
     return valid_rows & (rank >= sink) & (rank < n_valid - local)
+
+
+def per_head(columns: torch.Tensor, head_slot: torch.Tensor) -> torch.Tensor:
+    """``[B', n_src, k]`` columns of a layer's source heads -> ``[B', H_sel, k]``: each head its source's
+    (``head_slot`` ``[P, H_sel]``: each head's slot among the source heads, P = 1 or B')."""
+    slots = head_slot.expand(columns.shape[0], -1)[..., None].expand(-1, -1, columns.shape[-1])
+    return columns.gather(1, slots)

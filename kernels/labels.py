@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import use_triton
+from .selection_heads import kv_heads_read
 
 
 def label_storage_dtype(key_dtype: torch.dtype) -> torch.dtype:
@@ -85,10 +86,8 @@ def append_labels(new_keys: torch.Tensor, channels: torch.Tensor, bits: int, cod
         return
     if column is not None:
         new_keys = new_keys.index_select(2, column)
-    batch, kv_heads, tokens, _ = new_keys.shape
-    sel_heads = channels.shape[1]
-    kv_of_sel = torch.arange(sel_heads, device=new_keys.device) * kv_heads // sel_heads
-    keys = new_keys.index_select(1, kv_of_sel)  # [B, H_sel, t, d]
+    batch, _, tokens, _ = new_keys.shape
+    keys = kv_heads_read(new_keys, channels.shape[1])  # [B, H_sel, t, d]
     picked = keys.gather(-1, channels[:, :, None, :].expand(batch, -1, tokens, -1))
     for stored, out in zip(quantize_labels(picked, bits), (codes_out, scale_out, zero_out)):
         if stored is None:

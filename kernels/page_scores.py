@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import use_triton
+from .selection_heads import kv_heads_read, pick_heads
 
 
 def page_scores(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor, sel_heads: int,
@@ -48,19 +49,8 @@ def page_scores_torch(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor
                       rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
     """The twin of `page_scores` (same contract): two batched products in fp32 (fp64 for fp64 queries)."""
     batch, q_heads, steps, dim = query.shape
-    kv_heads = low.shape[1]
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     grouped = query.reshape(batch, sel_heads, q_heads // sel_heads, steps, dim).to(acc)
-    positive, negative = grouped.clamp(min=0).sum(2), grouped.clamp(max=0).sum(2)  # [B, H_sel, Q, d]
-    if rows is not None:
-        positive, negative, low, high = (t.index_select(0, rows) for t in (positive, negative, low, high))
-    kv_of_sel = torch.arange(sel_heads, device=low.device) * kv_heads // sel_heads
-    if heads is None:
-        if sel_heads != kv_heads:
-            low, high = low.index_select(1, kv_of_sel), high.index_select(1, kv_of_sel)
-    else:
-        picks = (torch.arange(positive.shape[0], device=low.device)[:, None], heads.expand(positive.shape[0], -1))
-        positive, negative = positive[picks], negative[picks]
-        kv_picks = (picks[0], kv_of_sel[picks[1]])
-        low, high = low[kv_picks], high[kv_picks]
+    positive, negative = (pick_heads(part.sum(2), rows, heads) for part in (grouped.clamp(min=0), grouped.clamp(max=0)))
+    low, high = (kv_heads_read(bounds, sel_heads, rows, heads) for bounds in (low, high))  # [B', H', P, d]
     return positive @ high.to(acc).transpose(-1, -2) + negative @ low.to(acc).transpose(-1, -2)

@@ -1,0 +1,36 @@
+"""Which rows and heads a selection reads: the mapping the policies and their kernels' twins share.
+
+Selection head s of H_sel stands for the query heads ``[s * Hq // H_sel, (s + 1) * Hq // H_sel)`` and
+reads KV head ``s * Hkv // H_sel``. A selection may run for some rows ``[B']`` (None = all) and, per row,
+some selection heads ``[B' or 1, H']`` (None = all H_sel).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pick_heads(tensor: torch.Tensor, rows: torch.Tensor | None = None, heads: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """A per-selection-head tensor ``[B, H_sel, ...]`` at rows ``[B']`` and heads ``[B' or 1, H']``:
+    ``[B', H', ...]``."""
+    if rows is not None:
+        tensor = tensor.index_select(0, rows)
+    if heads is None:
+        return tensor
+    count = tensor.shape[0]
+    return tensor[torch.arange(count, device=tensor.device)[:, None], heads.expand(count, -1)]
+
+
+def kv_heads_read(tensor: torch.Tensor, sel_heads: int, rows: torch.Tensor | None = None,
+                  heads: torch.Tensor | None = None) -> torch.Tensor:
+    """A per-KV-head tensor ``[B, Hkv, ...]`` as `sel_heads` selection heads read it, at rows ``[B']`` and heads
+    ``[B' or 1, H']``: ``[B', H', ...]``."""
+    if rows is not None:
+        tensor = tensor.index_select(0, rows)
+    kv_heads = tensor.shape[1]
+    kv_of_sel = torch.arange(sel_heads, device=tensor.device) * kv_heads // sel_heads
+    if heads is None:
+        return tensor if sel_heads == kv_heads else tensor.index_select(1, kv_of_sel)
+    count = tensor.shape[0]
+    return tensor[torch.arange(count, device=tensor.device)[:, None], kv_of_sel[heads.expand(count, -1)]]
