@@ -235,7 +235,8 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
     if rows is None or len(rows):
         middle, source_heads, head_slot, copy_heads = _source_rows(share, window)
         sharing = {} if share.all_heads else dict(heads=source_heads, head_slot=head_slot, copy_heads=copy_heads)
-        chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows, **sharing)
+        chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows,
+                                           successors=config.sharing.successors, **sharing)
         heavy, candidates = _in_batch(chosen, rows, batch), _in_batch(picked, rows, batch)
     for source_layer, copy_rows in share.copy_groups:
         source = cache.layers[source_layer].candidates

@@ -163,6 +163,10 @@ class SharingConfig:
             heads, layers and steps reusing its selection share; each of them refines the set to its
             own top `heavy` by scoring only the candidates' metadata with its own query
             (`hshare.refine`, `SelectionPolicy.candidate_scores`).
+        successors: with refinement, a selecting head's C candidates are its top ceil(C / 2) columns and
+            the column after each (its successor, where selectable and not already a candidate): the
+            token a copying (induction) head attends next when the query moves one token on, so a reusing
+            step or a later layer can still reach it. False = the top C columns.
     """
 
     layer: float = 1.0
@@ -171,6 +175,7 @@ class SharingConfig:
     lookahead: bool = False
     dense_layers: tuple[int, ...] = ()
     candidates: float = 1.0
+    successors: bool = False
 
     def __post_init__(self) -> None:
         for name in ("layer", "head", "query"):
@@ -195,6 +200,10 @@ class SharingConfig:
             raise ConfigError(f"HShareConfig.sharing.candidates = {self.candidates!r} is invalid; accepted: a number "
                               "in [1, 64], C / heavy (1 = no refinement)")
         _set(self, "candidates", float(self.candidates))
+        check_bool("sharing.successors", self.successors)
+        if self.successors and self.candidates == 1.0:
+            raise ConfigError("HShareConfig.sharing.successors = True needs candidate-set refinement, which is off "
+                              "(candidates = 1); accepted: successors with candidates > 1, e.g. 2")
 
     @property
     def query_group(self) -> int:
@@ -369,7 +378,7 @@ OPTION_NAMES: dict[str, tuple[str, str]] = {
     "sink": ("budget", "sink"), "local": ("budget", "local"), "heavy": ("budget", "heavy"),
     "layer_sharing": ("sharing", "layer"), "head_sharing": ("sharing", "head"), "query_sharing": ("sharing", "query"),
     "group_lookahead": ("sharing", "lookahead"), "dense_layers": ("sharing", "dense_layers"),
-    "candidates": ("sharing", "candidates"),
+    "candidates": ("sharing", "candidates"), "successors": ("sharing", "successors"),
     "selection": ("planner", "selection"), "plan_scope": ("planner", "scope"), "planner": ("planner", "method"),
     "plan_rows": ("planner", "rows"), "seed": ("planner", "seed"), "share_similarity": ("planner", "similarity"),
     "policy": ("policy", "name"),

@@ -7,6 +7,12 @@ and its top `heavy` of them as its heavy columns. The heads, layers and steps th
 (`SelectionPolicy.candidate_heavy`, from `SelectionPolicy.candidate_scores`) and keep their own top
 `heavy` of them: a few C label rows per head instead of every cached column, and a selection fitted to
 each reusing query.
+
+With `SharingConfig.successors` the C candidates are the top ceil(C / 2) columns and their successors (the
+next column of each). A head that copies (an induction head: it attends the token after an earlier match)
+moves one column on as the query moves one token on, and a later layer's copying head attends one column
+after the head that found the match: the successor is where the reusing query looks, and its source's
+query rarely ranks it.
 """
 
 from __future__ import annotations
@@ -14,13 +20,31 @@ from __future__ import annotations
 import torch
 
 from hshare.policy import SelectionPolicy, top_candidates
-from hshare.selection import per_head, select_heavy
+from hshare.selection import NO_TOKEN, per_head, select_heavy
+
+
+def with_successors(columns: torch.Tensor, window: torch.Tensor, width: int) -> torch.Tensor:
+    """The columns and their successors: ``[B', H, k]`` distinct columns (``NO_TOKEN`` allowed) ->
+    ``[B', H, width]`` (k <= width <= 2k): the columns, then, in ascending order of the column it follows,
+    each column's successor (column + 1) that lies in the window ``[B', n]`` (bool) and is not among the
+    columns; ``NO_TOKEN`` where there are fewer, and the last successors dropped where there are more."""
+    ordered = columns.sort(-1).values  # NO_TOKEN first; a column's successor is taken iff the next one is it
+    successor = ordered + 1
+    taken = torch.cat((ordered[..., 1:] == successor[..., :-1], torch.zeros_like(ordered[..., :1], dtype=torch.bool)),
+                      -1)
+    n = window.shape[-1]
+    inside = window[:, None].expand(-1, columns.shape[1], -1).gather(-1, successor.clamp(max=n - 1))
+    keep = (ordered >= 0) & (successor < n) & inside & ~taken
+    # the kept successors first (a stable sort of the flags keeps their ascending order), NO_TOKEN after
+    order = (~keep).to(torch.int8).sort(dim=-1, stable=True).indices
+    successors = torch.where(keep, successor, torch.full_like(successor, NO_TOKEN)).gather(-1, order)
+    return torch.cat((columns, successors), -1)[..., :width]
 
 
 def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torch.Tensor, count: int, heavy: int,
                       rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
-                      head_slot: torch.Tensor | None = None, copy_heads: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      head_slot: torch.Tensor | None = None, copy_heads: torch.Tensor | None = None,
+                      successors: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A selecting layer's heavy columns and candidates: each source head's top C of its scores of every
     column in the window, and the top `heavy` of those (= the top `heavy` of the window); with head sharing,
     each copying head's own top `heavy` among its source head's candidates.
@@ -32,6 +56,7 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         heads: ``[P, n_src]`` the source heads (None = every selection head selects, and the rest is None);
         head_slot: ``[P, H_sel]`` each head's slot among them; copy_heads: ``[P, H_sel - n_src]`` the heads
             that copy (P = 1 for a batch plan, else B').
+        successors: the C candidates are the top ceil(C / 2) and their successors (`with_successors`).
 
     Returns:
         ``(heavy, candidates)``: ``[B', H, heavy]`` and ``[B', H, C]`` int64 columns (H = n_src without
@@ -41,13 +66,18 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         source head's C rows scored again), so no ``[B', H', n]`` score tensor is needed; another selects a
         source head's C and heavy from one score tensor, and its copying heads refine.
     """
+    top = count - count // 2 if successors else count
     if policy.scores_candidates:
-        candidates = policy.decode_heavy(query, window, count, rows, heads)
+        candidates = policy.decode_heavy(query, window, top, rows, heads)
+        if successors:
+            candidates = with_successors(candidates, window, count)
         if head_slot is not None:
             candidates, heads = per_head(candidates, head_slot), None
         return policy.candidate_heavy(query, candidates, window, heavy, rows, heads), candidates
     scores = policy.decode_scores(query, rows, heads)
-    candidates = select_heavy(scores, window[:, None], count)
+    candidates = select_heavy(scores, window[:, None], top)
+    if successors:
+        candidates = with_successors(candidates, window, count)
     chosen = top_candidates(scores.gather(-1, candidates.clamp(min=0)), candidates, candidates >= 0, heavy)
     if head_slot is None:
         return chosen, candidates

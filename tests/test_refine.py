@@ -11,7 +11,7 @@ from hshare import static_decode
 from hshare.config import ConfigError, HShareConfig
 from hshare.kernels import candidate_label_scores, decode_label_scores, quantize_labels
 from hshare.policy import SelectionPolicy
-from hshare.refine import select_candidates
+from hshare.refine import select_candidates, with_successors
 from hshare.selection import NO_TOKEN
 
 from conftest import greedy, left_pad, left_padded, tiny_llama
@@ -99,6 +99,64 @@ def test_select_candidates_is_the_top_c_and_its_top_heavy(scoring):
         assert (candidates[short] == NO_TOKEN).sum() == 3 * table.shape[1]
 
 
+def test_with_successors_by_hand():
+    columns = torch.tensor([[[5, 2, 3, NO_TOKEN], [9, 0, 1, 8]]])
+    window = torch.ones(1, 10, dtype=torch.bool)
+    window[0, 6] = False
+    # row head 0: 2 -> 3 is a column already, 3 -> 4 kept, 5 -> 6 outside the window
+    # head 1: 0 -> 1 and 8 -> 9 are columns already, 1 -> 2 kept, 9 -> 10 past the last column
+    got = with_successors(columns, window, 8)
+    assert got.tolist() == [[[5, 2, 3, NO_TOKEN, 4, NO_TOKEN, NO_TOKEN, NO_TOKEN],
+                             [9, 0, 1, 8, 2, NO_TOKEN, NO_TOKEN, NO_TOKEN]]]
+    assert with_successors(columns, window, 5).tolist() == [[[5, 2, 3, NO_TOKEN, 4], [9, 0, 1, 8, 2]]]
+    assert with_successors(columns, window, 4).tolist() == columns.tolist()
+
+
+def test_with_successors_is_the_brute_force_union():
+    generator = torch.Generator().manual_seed(11)
+    for _ in range(20):
+        n, k = int(torch.randint(4, 40, (1,), generator=generator)), int(torch.randint(1, 4, (1,), generator=generator))
+        k = min(k * 3, n)
+        columns = torch.stack([torch.randperm(n, generator=generator)[:k] for _ in range(6)]).reshape(2, 3, k)
+        columns[columns % 5 == 4] = NO_TOKEN  # holes
+        window = torch.rand(2, n, generator=generator) > 0.3
+        width = int(torch.randint(k, 2 * k + 1, (1,), generator=generator))
+        got = with_successors(columns, window, width)
+        assert got.shape == (2, 3, width)
+        for b in range(2):
+            for h in range(3):
+                own = _as_set(columns[b, h])
+                followers = sorted(c + 1 for c in own if c + 1 < n and window[b, c + 1] and c + 1 not in own)
+                assert got[b, h, :k].tolist() == columns[b, h].tolist()
+                assert got[b, h, k:].tolist() == (followers + [NO_TOKEN] * k)[:width - k]
+
+
+def _with_successors_brute_force(ranked: list[int], count: int, window: torch.Tensor) -> set[int]:
+    """The top ceil(C / 2) of `ranked` and each one's successor in `window`, at most C columns (the successors
+    of the largest columns dropped first)."""
+    top = set(ranked[:count - count // 2])
+    followers = sorted(c + 1 for c in top if c + 1 < len(window) and window[c + 1] and c + 1 not in top)
+    return top | set(followers[:count - len(top)])
+
+
+@pytest.mark.parametrize("scoring", ["all", "candidates"])
+@pytest.mark.parametrize("count", [10, 9])
+def test_select_candidates_with_successors(scoring, count):
+    policy = TablePolicy(torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(4)), scoring)
+    window = torch.zeros(2, 40, dtype=torch.bool)
+    window[0, 5:30], window[1, 2:9] = True, True
+    window[0, 17] = False  # a hole: no successor there
+    heavy, candidates = select_candidates(policy, None, window, count, 4, successors=True)
+    for b in range(2):
+        for h in range(3):
+            allowed = window[b].nonzero().flatten()
+            ranked = allowed[policy.table[b, h, allowed].argsort(descending=True)].tolist()
+            expected = _with_successors_brute_force(ranked, count, window[b])
+            assert _as_set(candidates[b, h]) == expected
+            best = sorted(expected, key=lambda c: -float(policy.table[b, h, c]))[:4]
+            assert _as_set(heavy[b, h]) == set(best)
+
+
 def test_refinement_is_the_brute_force_top_k_within_the_candidates():
     generator = torch.Generator().manual_seed(5)
     policy = TablePolicy(torch.randn(3, 2, 50, generator=generator), "candidates")
@@ -128,6 +186,11 @@ def test_config():
         with pytest.raises(ConfigError, match="candidates"):
             HShareConfig(candidates=bad)
     assert HShareConfig.from_preset("hshare-refine").sharing.candidates > 1
+    assert HShareConfig.from_preset("hshare-refine-successors").sharing.successors
+    with pytest.raises(ConfigError, match=r"successors = True needs candidate-set refinement.*candidates > 1"):
+        HShareConfig(successors=True)
+    with pytest.raises(ConfigError, match=r"sharing.successors = 1 is invalid; accepted: true or false"):
+        HShareConfig(candidates=2, successors=1)
 
 
 def _prompts(prefix: str):
@@ -160,6 +223,8 @@ def _record(monkeypatch) -> list[dict]:
     ("ds", "off", {}),
     ("hshare-1_2-1_2-1_2", "off", dict(plan_scope="sample", group_lookahead=True)),
     ("hshare-1_2-1_2-1_2", "on", {}),
+    ("hshare-1_2-1_2-1_2", "off", dict(successors=True)),
+    ("ds", "on", dict(successors=True)),
 ])
 def test_every_reusing_layer_head_and_step_refines_with_its_own_query(monkeypatch, preset, prefix, overrides):
     """Brute force, per decode forward: a source (layer, head) at a selection step keeps the top C of its full
@@ -203,8 +268,13 @@ def test_every_reusing_layer_head_and_step_refines_with_its_own_query(monkeypatc
                 if source_layer and head_source == h:
                     allowed = window[b].nonzero().flatten()
                     ranked = allowed[full[b, h, allowed].argsort(descending=True)].tolist()
-                    assert _as_set(candidates) == set(ranked[:count])
-                    expected = set(ranked[:heavy])
+                    if overrides.get("successors"):
+                        kept = _with_successors_brute_force(ranked, count, window[b])
+                        assert _as_set(candidates) == kept
+                        expected = set(sorted(kept, key=lambda c: -float(full[b, h, c]))[:heavy])
+                    else:
+                        assert _as_set(candidates) == set(ranked[:count])
+                        expected = set(ranked[:heavy])
                     checked["select"] += 1
                 else:
                     if source_layer:  # a copying head holds its source head's candidates
@@ -256,7 +326,8 @@ def test_counters_count_the_candidate_rows_scored(preset):
     assert refined.scored_tokens == plain.scored_tokens + 12 * (refined.refinements + refined.score_computations)
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(plan_scope="sample"), dict(query_sharing="1/4", group_lookahead=True)])
+@pytest.mark.parametrize("overrides", [{}, dict(plan_scope="sample"), dict(query_sharing="1/4", group_lookahead=True),
+                                       dict(successors=True)])
 def test_static_shapes_equal_eager(monkeypatch, overrides):
     monkeypatch.setattr(static_decode, "STATIC_ON_CPU", True)
     model = tiny_llama(kv_heads=2, layers=4)
