@@ -25,20 +25,18 @@ from hshare.selection import NO_TOKEN, per_head, select_heavy
 
 def with_successors(columns: torch.Tensor, window: torch.Tensor, width: int) -> torch.Tensor:
     """The columns and their successors: ``[B', H, k]`` distinct columns (``NO_TOKEN`` allowed) ->
-    ``[B', H, width]`` (k <= width <= 2k): the columns, then, in ascending order of the column it follows,
-    each column's successor (column + 1) that lies in the window ``[B', n]`` (bool) and is not among the
-    columns; ``NO_TOKEN`` where there are fewer, and the last successors dropped where there are more."""
-    ordered = columns.sort(-1).values  # NO_TOKEN first; a column's successor is taken iff the next one is it
+    ``[B', H, width]`` (k <= width <= 2k): the columns, then the successor (column + 1) of each of the
+    `width` - k smallest columns, where it lies in the window ``[B', n]`` (bool) and is not among the
+    columns (``NO_TOKEN`` otherwise)."""
+    ordered = columns.sort(-1).values  # NO_TOKEN first; a column's successor is a column iff the next one is it
     successor = ordered + 1
     taken = torch.cat((ordered[..., 1:] == successor[..., :-1], torch.zeros_like(ordered[..., :1], dtype=torch.bool)),
                       -1)
     n = window.shape[-1]
     inside = window[:, None].expand(-1, columns.shape[1], -1).gather(-1, successor.clamp(max=n - 1))
     keep = (ordered >= 0) & (successor < n) & inside & ~taken
-    # the kept successors first (a stable sort of the flags keeps their ascending order), NO_TOKEN after
-    order = (~keep).to(torch.int8).sort(dim=-1, stable=True).indices
-    successors = torch.where(keep, successor, torch.full_like(successor, NO_TOKEN)).gather(-1, order)
-    return torch.cat((columns, successors), -1)[..., :width]
+    successors = torch.where(keep, successor, torch.full_like(successor, NO_TOKEN))
+    return torch.cat((columns, successors[..., :width - columns.shape[-1]]), -1)
 
 
 def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torch.Tensor, count: int, heavy: int,

@@ -106,9 +106,12 @@ def test_with_successors_by_hand():
     # row head 0: 2 -> 3 is a column already, 3 -> 4 kept, 5 -> 6 outside the window
     # head 1: 0 -> 1 and 8 -> 9 are columns already, 1 -> 2 kept, 9 -> 10 past the last column
     got = with_successors(columns, window, 8)
-    assert got.tolist() == [[[5, 2, 3, NO_TOKEN, 4, NO_TOKEN, NO_TOKEN, NO_TOKEN],
-                             [9, 0, 1, 8, 2, NO_TOKEN, NO_TOKEN, NO_TOKEN]]]
-    assert with_successors(columns, window, 5).tolist() == [[[5, 2, 3, NO_TOKEN, 4], [9, 0, 1, 8, 2]]]
+    assert got.tolist() == [[[5, 2, 3, NO_TOKEN, NO_TOKEN, NO_TOKEN, 4, NO_TOKEN],  # in ascending column order
+                             [9, 0, 1, 8, NO_TOKEN, 2, NO_TOKEN, NO_TOKEN]]]
+    # width 5: the successor of the smallest column only (head 0: NO_TOKEN's, none; head 1: 0's, a column)
+    assert with_successors(columns, window, 5).tolist() == [[[5, 2, 3, NO_TOKEN, NO_TOKEN], [9, 0, 1, 8, NO_TOKEN]]]
+    assert with_successors(columns, window, 6).tolist() == [[[5, 2, 3, NO_TOKEN, NO_TOKEN, NO_TOKEN],
+                                                             [9, 0, 1, 8, NO_TOKEN, 2]]]
     assert with_successors(columns, window, 4).tolist() == columns.tolist()
 
 
@@ -125,18 +128,17 @@ def test_with_successors_is_the_brute_force_union():
         assert got.shape == (2, 3, width)
         for b in range(2):
             for h in range(3):
-                own = _as_set(columns[b, h])
-                followers = sorted(c + 1 for c in own if c + 1 < n and window[b, c + 1] and c + 1 not in own)
+                own = sorted(int(c) for c in columns[b, h])  # NO_TOKEN first
+                followers = [c + 1 if c >= 0 and c + 1 < n and window[b, c + 1] and c + 1 not in own else NO_TOKEN
+                             for c in own]
                 assert got[b, h, :k].tolist() == columns[b, h].tolist()
-                assert got[b, h, k:].tolist() == (followers + [NO_TOKEN] * k)[:width - k]
+                assert got[b, h, k:].tolist() == followers[:width - k]
 
 
 def _with_successors_brute_force(ranked: list[int], count: int, window: torch.Tensor) -> set[int]:
-    """The top ceil(C / 2) of `ranked` and each one's successor in `window`, at most C columns (the successors
-    of the largest columns dropped first)."""
-    top = set(ranked[:count - count // 2])
-    followers = sorted(c + 1 for c in top if c + 1 < len(window) and window[c + 1] and c + 1 not in top)
-    return top | set(followers[:count - len(top)])
+    """The top ceil(C / 2) of `ranked` and the successors in `window` of the smallest floor(C / 2) of them."""
+    top = ranked[:count - count // 2]
+    return set(top) | {c + 1 for c in sorted(top)[:count // 2] if c + 1 < len(window) and window[c + 1]}
 
 
 @pytest.mark.parametrize("scoring", ["all", "candidates"])
