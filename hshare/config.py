@@ -165,9 +165,9 @@ class SharingConfig:
             (`hshare.refine`, `SelectionPolicy.candidate_scores`).
         successors: with refinement, a selecting head's C candidates are its top ceil(C / 2) columns and
             the column after each (its successor, where selectable and not already a candidate; for an odd
-            C, after each but the largest column): the
-            token a copying (induction) head attends next when the query moves one token on, so a reusing
-            step or a later layer can still reach it. False = the top C columns.
+            C, after each but the largest column): the token a copying (induction) head attends next when
+            the query moves one token on, so a reusing step or a later layer can still reach it. False =
+            the top C columns.
     """
 
     layer: float = 1.0

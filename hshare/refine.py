@@ -67,15 +67,15 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
     top = count - count // 2 if successors else count
     if policy.scores_candidates:
         candidates = policy.decode_heavy(query, window, top, rows, heads)
-        if successors:
-            candidates = with_successors(candidates, window, count)
+    else:
+        scores = policy.decode_scores(query, rows, heads)
+        candidates = select_heavy(scores, window[:, None], top)
+    if successors:
+        candidates = with_successors(candidates, window, count)
+    if policy.scores_candidates:
         if head_slot is not None:
             candidates, heads = per_head(candidates, head_slot), None
         return policy.candidate_heavy(query, candidates, window, heavy, rows, heads), candidates
-    scores = policy.decode_scores(query, rows, heads)
-    candidates = select_heavy(scores, window[:, None], top)
-    if successors:
-        candidates = with_successors(candidates, window, count)
     chosen = top_candidates(scores.gather(-1, candidates.clamp(min=0)), candidates, candidates >= 0, heavy)
     if head_slot is None:
         return chosen, candidates
