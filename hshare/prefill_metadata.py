@@ -42,12 +42,12 @@ class PendingPrefill:
         evidence_query: the last W prompt queries as the layer's policy scores them
             (`SelectionPolicy.score_query` of ``[B, Hq, W, d]``; the planner's evidence rows), or None
             when no greedy plan will use them.
-        device: where the layer's keys live (both tensors wait on the host when it is CUDA: `park`).
+        Both are parked (`park`: pinned host memory on CUDA); `complete` brings them back to the device of
+        the layer's keys.
     """
 
     valid: torch.Tensor
     evidence_query: torch.Tensor | None
-    device: torch.device
 
 
 def park(tensor: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,7 @@ def defer(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch
     source = (valid.data_ptr(), valid.shape, valid.stride())
     if planner.prefill_valid is None or planner.prefill_valid[0] != source:
         planner.prefill_valid = (source, park(valid))
-    planner.pending[layer_idx] = PendingPrefill(planner.prefill_valid[1], evidence, key.device)
+    planner.pending[layer_idx] = PendingPrefill(planner.prefill_valid[1], evidence)
 
 
 def complete(cache: HShareCache, planner: StepPlanner, layer_idx: int) -> None:
@@ -96,12 +96,13 @@ def complete(cache: HShareCache, planner: StepPlanner, layer_idx: int) -> None:
     pending = planner.pending.pop(layer_idx, None)
     if pending is None:
         return
-    valid = unpark(pending.valid, pending.device)
+    device = layer.keys.device  # where the parked tensors come back to
+    valid = unpark(pending.valid, device)
     keys = layer.keys[:, :, :valid.shape[1]]  # the prefill's columns (a decode step may have added one)
     start = layer.policy.length
     layer.policy.append(keys[:, :, start:], valid[:, start:])
     if pending.evidence_query is not None:
-        record_evidence(cache, planner, layer_idx, unpark(pending.evidence_query, pending.device), valid)
+        record_evidence(cache, planner, layer_idx, unpark(pending.evidence_query, device), valid)
 
 
 def record_evidence(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch.Tensor,
