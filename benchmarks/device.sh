@@ -11,7 +11,8 @@
 #   linear     the decode step's weight products, decode_linear_triton's tiles against cuBLAS (decode_linear.py)
 #   crossover  shared prefix or per-row dense decode attention under CUDA graphs (prefix_crossover.py)
 #   refine32k  Llama-3-8B shape B4 x 32k (one row in four padded), 64 new tokens timed per step:
-#              1/2-1/2-1/2, hshare-refine (C = 2 and 4) and quest at N_c 1024 as configured by default
+#              1/2-1/2-1/2, hshare-refine (C = 2 and 4) and quest at N_c 1024 as configured by default;
+#              REFINE32K_PATHS overrides the paths
 #   llama2     `hshare bench generate`, Llama-2-7B shape, B16, 4k prompts, 256 new: StaticCache, dense, ds@512,
 #              hshare-1_2-1_2-1_2@512; LLAMA2_PATHS overrides the paths, REPEATS the timed pairs (default 3)
 #   unfused    the same shape, dense and 1/2-1/2-1/2@512 also with compile_elementwise off
@@ -126,7 +127,7 @@ one_gpu_part() {
       timeout 300 python3 benchmarks/prefix_crossover.py 2>&1 | tee "$OUT/prefix_crossover.log" ;;
     refine32k)
       grid 300 --shapes llama3-8b --rows 4 --prompts 32k --new-tokens 64 --padded --name refine_b4_p32k \
-        --paths "$HS@1024,hshare-refine@1024,hshare-refine@1024+candidates=4,quest@1024" ;;
+        --paths "${REFINE32K_PATHS:-$HS@1024,hshare-refine@1024,hshare-refine@1024+candidates=4,quest@1024}" ;;
     llama2)
       bench 500 "${LLAMA2[@]}" --paths "${LLAMA2_PATHS:-static,dense,$HS@512,ds@512}" ;;
     unfused)
