@@ -163,11 +163,12 @@ class SharingConfig:
             heads, layers and steps reusing its selection share; each of them refines the set to its
             own top `heavy` by scoring only the candidates' metadata with its own query
             (`hshare.refine`, `SelectionPolicy.candidate_scores`).
-        successors: with refinement, a selecting head's C candidates are its top ceil(C / 2) columns and
-            the column after each (its successor, where selectable and not already a candidate; for an odd
-            C, after each but the largest column): the token a copying (induction) head attends next when
-            the query moves one token on, so a reusing step or a later layer can still reach it. False =
-            the top C columns.
+        successors: a selecting head keeps the top half of what it would keep (rounded up) and the column
+            after each of them (its successor, where selectable and not already kept; for an odd count,
+            after each but the largest column): its heavy columns, or with refinement its C candidates.
+            A copying (induction) head attends the column after its last match, one column on at each
+            step and one column after the head that found the match, so a reusing step or a later layer
+            can still reach it. False = the top columns.
     """
 
     layer: float = 1.0
@@ -202,9 +203,6 @@ class SharingConfig:
                               "in [1, 64], C / heavy (1 = no refinement)")
         _set(self, "candidates", float(self.candidates))
         check_bool("sharing.successors", self.successors)
-        if self.successors and self.candidates == 1.0:
-            raise ConfigError("HShareConfig.sharing.successors = True needs candidate-set refinement, which is off "
-                              "(candidates = 1); accepted: successors with candidates > 1, e.g. 2")
 
     @property
     def query_group(self) -> int:
@@ -515,6 +513,10 @@ class HShareConfig:
         for section, value in sections.items():
             object.__setattr__(self, section, value)
         object.__setattr__(self, "name", str(name))
+        if self.sparse and self.sharing.successors and self.policy.name == "quest":
+            raise ConfigError("HShareConfig.sharing.successors = True with policy 'quest' is invalid: quest keeps whole "
+                              "pages, whose columns are each other's successors, so successors would halve its pages; "
+                              "accepted: successors with the 'labels' or 'loki' policy, or quest without successors")
         if self.runtime.sparse_prefill and self.prefix.mode == "on":
             raise ConfigError(
                 "HShareConfig.runtime.sparse_prefill = True with prefix.mode = 'on' is invalid: a shared prefix is "

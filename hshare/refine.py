@@ -8,11 +8,8 @@ and its top `heavy` of them as its heavy columns. The heads, layers and steps th
 `heavy` of them: a few C label rows per head instead of every cached column, and a selection fitted to
 each reusing query.
 
-With `SharingConfig.successors` the C candidates are the top ceil(C / 2) columns and their successors (the
-next column of each). A head that copies (an induction head: it attends the token after an earlier match)
-moves one column on as the query moves one token on, and a later layer's copying head attends one column
-after the head that found the match: the successor is where the reusing query looks, and its source's
-query rarely ranks it.
+With `SharingConfig.successors` the C candidates are the top ceil(C / 2) columns and their successors
+(`hshare.selection.with_successors`).
 """
 
 from __future__ import annotations
@@ -20,23 +17,7 @@ from __future__ import annotations
 import torch
 
 from hshare.policy import SelectionPolicy, top_candidates
-from hshare.selection import NO_TOKEN, per_head, select_heavy
-
-
-def with_successors(columns: torch.Tensor, window: torch.Tensor, width: int) -> torch.Tensor:
-    """The columns and their successors: ``[B', H, k]`` distinct columns (``NO_TOKEN`` allowed) ->
-    ``[B', H, width]`` (k <= width <= 2k): the columns, then the successor (column + 1) of each of the
-    `width` - k smallest columns, where it lies in the window ``[B', n]`` (bool) and is not among the
-    columns (``NO_TOKEN`` otherwise)."""
-    ordered = columns.sort(-1).values  # NO_TOKEN first; a column's successor is a column iff the next one is it
-    successor = ordered + 1
-    taken = torch.cat((ordered[..., 1:] == successor[..., :-1], torch.zeros_like(ordered[..., :1], dtype=torch.bool)),
-                      -1)
-    n = window.shape[-1]
-    inside = window[:, None].expand(-1, columns.shape[1], -1).gather(-1, successor.clamp(max=n - 1))
-    keep = (ordered >= 0) & (successor < n) & inside & ~taken
-    successors = torch.where(keep, successor, torch.full_like(successor, NO_TOKEN))
-    return torch.cat((columns, successors[..., :width - columns.shape[-1]]), -1)
+from hshare.selection import per_head, select_heavy, with_successors
 
 
 def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torch.Tensor, count: int, heavy: int,

@@ -6,6 +6,12 @@ the attention mask: the sink is the first ``sink`` valid columns, the local wind
 ``local`` valid columns (the current token included), the middle window everything between. A row
 with no more valid columns than the budget N_c attends to all of them (exact). Index ``-1`` marks
 "no token" and is never read.
+
+With `SharingConfig.successors` a selecting head keeps its top half and the column after each
+(`with_successors`): a head that copies (an induction head: it attends the token after an earlier
+match) moves one column on as the query moves one token on, and a later layer's copying head attends
+one column after the head that found the match, so the successor is where a reusing query looks while
+its source's query rarely ranks it.
 """
 
 from __future__ import annotations
@@ -177,3 +183,19 @@ def per_head(columns: torch.Tensor, head_slot: torch.Tensor) -> torch.Tensor:
     (``head_slot`` ``[P, H_sel]``: each head's slot among the source heads, P = 1 or B')."""
     slots = head_slot.expand(columns.shape[0], -1)[..., None].expand(-1, -1, columns.shape[-1])
     return columns.gather(1, slots)
+
+
+def with_successors(columns: torch.Tensor, window: torch.Tensor, width: int) -> torch.Tensor:
+    """The columns and their successors: ``[B', H, k]`` distinct columns (``NO_TOKEN`` allowed) ->
+    ``[B', H, width]`` (k <= width <= 2k): the columns, then the successor (column + 1) of each of the
+    `width` - k smallest columns, where it lies in the window ``[B', n]`` (bool) and is not among the
+    columns (``NO_TOKEN`` otherwise)."""
+    ordered = columns.sort(-1).values  # NO_TOKEN first; a column's successor is a column iff the next one is it
+    successor = ordered + 1
+    taken = torch.cat((ordered[..., 1:] == successor[..., :-1], torch.zeros_like(ordered[..., :1], dtype=torch.bool)),
+                      -1)
+    n = window.shape[-1]
+    inside = window[:, None].expand(-1, columns.shape[1], -1).gather(-1, successor.clamp(max=n - 1))
+    keep = (ordered >= 0) & (successor < n) & inside & ~taken
+    successors = torch.where(keep, successor, torch.full_like(successor, NO_TOKEN))
+    return torch.cat((columns, successors[..., :width - columns.shape[-1]]), -1)

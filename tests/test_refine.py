@@ -11,7 +11,8 @@ from hshare import static_decode
 from hshare.config import ConfigError, HShareConfig
 from hshare.kernels import candidate_label_scores, decode_label_scores, quantize_labels
 from hshare.policy import SelectionPolicy
-from hshare.refine import select_candidates, with_successors
+from hshare.refine import select_candidates
+from hshare.selection import with_successors
 from hshare.selection import NO_TOKEN
 
 from conftest import greedy, left_pad, left_padded, tiny_llama
@@ -189,8 +190,9 @@ def test_config():
             HShareConfig(candidates=bad)
     assert HShareConfig.from_preset("hshare-refine").sharing.candidates > 1
     assert HShareConfig.from_preset("hshare-refine-successors").sharing.successors
-    with pytest.raises(ConfigError, match=r"successors = True needs candidate-set refinement.*candidates > 1"):
-        HShareConfig(successors=True)
+    assert HShareConfig(successors=True).candidate_count == 0  # successors of the heavy columns themselves
+    with pytest.raises(ConfigError, match=r"successors = True with policy 'quest' is invalid.*accepted"):
+        HShareConfig(policy="quest", successors=True)
     with pytest.raises(ConfigError, match=r"sharing.successors = 1 is invalid; accepted: true or false"):
         HShareConfig(candidates=2, successors=1)
 
@@ -213,7 +215,8 @@ def _record(monkeypatch) -> list[dict]:
         layer, step = cache.layers[layer_idx], cache.planner.current
         seen.append(dict(layer=layer_idx, query=query[:, :, 0].clone(), kind=step.kind, windows=step.windows,
                          share=step.shares[layer_idx], policy=layer.policy, indices=indices.clone(),
-                         heavy=layer.heavy.clone(), candidates=layer.candidates.clone()))
+                         heavy=layer.heavy.clone(),
+                         candidates=None if layer.candidates is None else layer.candidates.clone()))
         return real_decode(cache, layer_idx, query, key, value, indices, scaling)
 
     monkeypatch.setattr(attention_module, "_decode_attention", decode)
@@ -294,6 +297,55 @@ def test_every_reusing_layer_head_and_step_refines_with_its_own_query(monkeypatc
     assert bool(checked["copied"]) == (preset != "ds")
 
 
+@pytest.mark.parametrize("preset,prefix", [("hshare-1_2-1_2-1_2", "off"), ("hshare-7_8-3_4-1_2", "on"),
+                                           ("ds", "off")])
+def test_successors_without_refinement(monkeypatch, preset, prefix):
+    """Brute force, per decode forward, with successors and no candidate set: a source (layer, head) at a
+    selection step keeps the top ceil(heavy / 2) of its full label scores in the window and the successor of
+    each; a copying head holds its source head's columns, a copying layer its source layer's, a reuse step the
+    columns of the step before."""
+    model = tiny_llama(kv_heads=2, layers=4, heads=4)
+    ids, mask = _prompts(prefix)
+    seen = _record(monkeypatch)
+    with hshare.patched(model, preset, successors=True, query_sharing="1/2", dense_fallback_mib=0, prefix=prefix,
+                        **SMALL):
+        cache = hshare.new_cache(model)
+        greedy(model, ids, mask, new_tokens=NEW, past_key_values=cache)
+    heavy = SMALL["heavy"]
+    checked = {"select": 0, "copied": 0, "reuse": 0}
+    forward, previous = {}, {}
+    for entry in seen:
+        layer = entry["layer"]
+        if layer in forward:
+            previous, forward = forward, {}
+        forward[layer] = entry
+        if entry["kind"] != "select":
+            assert torch.equal(entry["heavy"], previous[layer]["heavy"])
+            checked["reuse"] += 1
+            continue
+        share, window = entry["share"], entry["windows"].selectable
+        full = entry["policy"].decode_scores(entry["query"])  # [B, H, n]
+        copied = torch.zeros(full.shape[0], dtype=torch.bool)
+        for source, rows in share.copy_groups:
+            rows = slice(None) if rows is None else rows
+            assert torch.equal(entry["heavy"][rows], forward[source]["heavy"][rows])
+            copied[rows] = True
+        for b in (~copied).nonzero().flatten().tolist():
+            plane = b if share.source_heads.shape[0] > 1 else 0
+            for h in range(full.shape[1]):
+                head_source = int(share.source_heads[plane][share.head_slot[plane][h]])
+                if head_source != h:
+                    assert torch.equal(entry["heavy"][b, h], entry["heavy"][b, head_source])
+                    checked["copied"] += 1
+                    continue
+                allowed = window[b].nonzero().flatten()
+                ranked = allowed[full[b, h, allowed].argsort(descending=True)].tolist()
+                assert _as_set(entry["heavy"][b, h]) == _with_successors_brute_force(ranked, heavy, window[b])
+                checked["select"] += 1
+    assert checked["select"] and checked["reuse"]
+    assert bool(checked["copied"]) == (preset == "hshare-1_2-1_2-1_2")  # 3/4 of 2 heads rounds to 2
+
+
 def _refinements_brute_force(cache, steps: int) -> int:
     """Refinements of a generation of `steps` decode steps, counted from the plan and the schedule."""
     planner, rows, heads = cache.planner, cache.rows, cache.sel_heads
@@ -329,20 +381,21 @@ def test_counters_count_the_candidate_rows_scored(preset):
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(plan_scope="sample"), dict(query_sharing="1/4", group_lookahead=True),
-                                       dict(successors=True)])
+                                       dict(successors=True), dict(successors=True, candidates=1)])
 def test_static_shapes_equal_eager(monkeypatch, overrides):
     monkeypatch.setattr(static_decode, "STATIC_ON_CPU", True)
     model = tiny_llama(kv_heads=2, layers=4)
     ids, mask = left_padded([31, 18, 26, 9])
     out = {}
     for static in (False, True):
-        with hshare.patched(model, "hshare-1_2-1_2-1_2", cuda_graphs=static, candidates=2, **SMALL, **overrides):
+        with hshare.patched(model, "hshare-1_2-1_2-1_2", cuda_graphs=static, **{"candidates": 2, **SMALL, **overrides}):
             cache = hshare.new_cache(model)
             out[static] = (greedy(model, ids, mask, new_tokens=8, past_key_values=cache), cache)
     static_cache = out[True][1]
     assert static_cache.static_decode.reason == "" and static_cache.static_decode.eager_steps == 7
     assert torch.equal(out[True][0], out[False][0])
-    assert static_cache.stats.refinements == out[False][1].stats.refinements > 0
+    assert static_cache.stats.refinements == out[False][1].stats.refinements
+    assert (static_cache.stats.refinements > 0) == (static_cache.config.candidate_count > 0)
 
 
 # ---- the "auto" planner: Algorithm 1 shares only pairs that reach the similarity target ----------------------

@@ -19,7 +19,13 @@ def _write(tmp_path, text):
 
 
 def test_bundled_sweeps_load_and_cover_the_paper_grid():
-    assert {"paper", "paper-128", "ablation"} <= set(sweep_names())
+    assert {"paper", "paper-128", "ablation", "refine", "successors"} <= set(sweep_names())
+    for name in sweep_names():  # every bundled entry builds a valid config
+        for entry in load_sweep(name).entries:
+            entry.config()
+    successors = {e.name: e.config() for e in load_sweep("successors").entries}
+    assert successors["hshare-1_2-1_2-1_2@512+successors"].sharing.successors
+    assert successors["hshare-1_2-1_2-1_2@512+successors"].candidate_count == 0
     ablation = {e.name: e for e in load_sweep("ablation").entries}
     for field, values in {"layer_sharing": ["3/4", "1/2", "1/4"], "head_sharing": ["3/4", "1/2", "1/4"],
                           "query_sharing": ["1/2", "1/4"]}.items():
