@@ -39,7 +39,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _presets(args: argparse.Namespace) -> int:
     from hshare.config import HShareConfig, preset_names
 
-    for name in preset_names():
+    names = preset_names()
+    width = max(map(len, names)) + 2
+    for name in names:
         c = HShareConfig.from_preset(name)
         b, s = c.budget, c.sharing
         scores = c.policy.describe() if b.heavy else "no scoring"
@@ -48,7 +50,7 @@ def _presets(args: argparse.Namespace) -> int:
             if s.successors else ""
         detail = (f"N_c {b.total} = {b.sink}+{b.local}+{b.heavy}, sharing {s.layer:g}-{s.head:g}-{s.query:g}{refine}, "
                   f"{scores}") if c.sparse else "exact dense"
-        print(f"{name:<26}{detail}")
+        print(f"{name:<{width}}{detail}")
     return 0
 
 

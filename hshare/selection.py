@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hshare.kernels import NO_TOKEN, critical_indices, select_heavy  # noqa: F401 (select_heavy: re-exported)
+from hshare.kernels import NO_TOKEN, critical_indices, select_heavy, with_successors  # noqa: F401 (re-exported)
 
 
 def valid_columns_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int, query_rows: int,
@@ -183,19 +183,3 @@ def per_head(columns: torch.Tensor, head_slot: torch.Tensor) -> torch.Tensor:
     (``head_slot`` ``[P, H_sel]``: each head's slot among the source heads, P = 1 or B')."""
     slots = head_slot.expand(columns.shape[0], -1)[..., None].expand(-1, -1, columns.shape[-1])
     return columns.gather(1, slots)
-
-
-def with_successors(columns: torch.Tensor, window: torch.Tensor, width: int) -> torch.Tensor:
-    """The columns and their successors: ``[B', H, k]`` distinct columns (``NO_TOKEN`` allowed) ->
-    ``[B', H, width]`` (k <= width <= 2k): the columns, then the successor (column + 1) of each of the
-    `width` - k smallest columns, where it lies in the window ``[B', n]`` (bool) and is not among the
-    columns (``NO_TOKEN`` otherwise)."""
-    ordered = columns.sort(-1).values  # NO_TOKEN first; a column's successor is a column iff the next one is it
-    successor = ordered + 1
-    taken = torch.cat((ordered[..., 1:] == successor[..., :-1], torch.zeros_like(ordered[..., :1], dtype=torch.bool)),
-                      -1)
-    n = window.shape[-1]
-    inside = window[:, None].expand(-1, columns.shape[1], -1).gather(-1, successor.clamp(max=n - 1))
-    keep = (ordered >= 0) & (successor < n) & inside & ~taken
-    successors = torch.where(keep, successor, torch.full_like(successor, NO_TOKEN))
-    return torch.cat((columns, successors[..., :width - columns.shape[-1]]), -1)

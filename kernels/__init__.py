@@ -21,6 +21,7 @@ from .prefix_attention import attention_with_lse, attention_with_lse_torch, shar
     shared_prefix_decode_states
 from .shared_decode import PrefixKV, shared_decode_attention, shared_decode_attention_torch
 from .split_decode import split_decode_attention, split_decode_attention_torch
+from .successors import with_successors, with_successors_torch
 
 __all__ = [
     "use_triton",
@@ -63,4 +64,6 @@ __all__ = [
     "page_scores_torch",
     "split_decode_attention",
     "split_decode_attention_torch",
+    "with_successors",
+    "with_successors_torch",
 ]

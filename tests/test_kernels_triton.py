@@ -532,3 +532,24 @@ def test_decode_label_scores_gathers_query_labels_in_the_kernel(bits, q_heads, s
     finally:
         del os.environ["HSHARE_KERNELS"]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k,width", [(1, 2), (5, 5), (6, 9), (7, 14), (12, 24), (33, 40)])
+def test_with_successors_triton_matches_twin(k, width):
+    from hshare.kernels import with_successors_torch
+    from hshare.kernels.successors_triton import with_successors_triton
+
+    generator = torch.Generator().manual_seed(k * 100 + width)
+    rows, heads, n = 3, 4, 60
+    window = torch.rand(rows, n, generator=generator) < 0.7
+    window[:, -1] = True  # the last column selectable: its successor is past the end
+    columns = torch.stack([torch.randperm(n, generator=generator)[:k] for _ in range(rows * heads)]).view(rows, heads, k)
+    columns[0, 0, : k // 2] = -1  # NO_TOKEN entries
+    columns[1, 1, 0] = n - 1
+    if k > 3:  # a run of adjacent columns: each successor but the last is taken
+        columns[2, 2, :4] = torch.tensor([20, 21, 22, 23])
+    columns, window = columns.to(DEVICE), window.to(DEVICE)
+    got = with_successors_triton(columns, window, width)
+    assert torch.equal(got, with_successors_torch(columns, window, width))
+    heads_view = columns[:, ::2]  # strided heads
+    assert torch.equal(with_successors_triton(heads_view, window, width), with_successors_torch(heads_view, window, width))
