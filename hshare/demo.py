@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 import hshare
 from hshare.default_model import load_default_model
 
-DEMO_PRESETS = ("dense", "dense+prefix", "streaming", "ds", "hshare-7_8-3_4-1_2", "hshare-3_4-3_4-1_2",
+DEMO_PRESETS = ("dense", "dense+prefix", "streaming", "ds", "hshare-7_8-3_4-1_2", "hshare-successors",
                 "hshare-1_2-1_2-1_2")
 PREFIX_SUFFIX = "+prefix"  # "<preset>+prefix": the preset with the prompts' shared prefix held once
 ONE_SHOT = (
