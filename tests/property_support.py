@@ -426,9 +426,13 @@ class SelectionSpy:
     brute force), and the key validity the step was given against `expected_valid(kv_len)` when
     provided."""
 
-    def __init__(self, sink: int, local: int, budget: int, heavy: int, expected_valid=None, candidates: int = 0) -> None:
+    def __init__(self, sink: int, local: int, budget: int, heavy: int, expected_valid=None, candidates: int = 0,
+                 successors: bool = False) -> None:
         self.sink, self.local, self.budget, self.heavy = sink, local, budget, heavy
-        self.top_k_sizes = {heavy, candidates} if candidates else {heavy}  # heavy columns, candidate sets
+        picked = candidates or heavy  # what a selecting head ranks: its candidates, else its heavy columns
+        if successors:  # the top half, the rest successors
+            picked -= picked // 2
+        self.top_k_sizes = {heavy, picked}  # heavy columns (picked among candidates too), what a selection ranks
         self.expected_valid = expected_valid
         self.critical_calls = 0
         self.select_calls = 0
@@ -565,7 +569,8 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
     H_sel x min(n_b, N_c) per row (a short row all its keys, a long one N_c). That is exact when
     every selection is full at every step of its query group; with a look-ahead, a group of 3 or
     more steps, or a window sliding inside a group, a heavy column may leave the middle window
-    before the next selection, and the value is an upper bound. Shared-prefix levels add Hkv x
+    before the next selection, and the value is an upper bound; likewise with successors (a successor
+    already kept, or not selectable, leaves its slot empty). Shared-prefix levels add Hkv x
     their tokens (each group once) per layer.
     """
     layers, kv_heads = spec.layers, spec.kv_heads
@@ -610,7 +615,8 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
             counts["scored_tokens"] += scorings * (own_width + s + candidates) + refinements * candidates
     if n_sparse and steps and config.sharing.shares_layers_or_heads:
         counts["plans"] = 1
-    exact = group == 1 or (group == 2 and not config.sharing.lookahead and not window_clips)
+    exact = (group == 1 or (group == 2 and not config.sharing.lookahead and not window_clips)) \
+        and not config.sharing.successors
     return ExpectedStats(**counts, kv_rows_read_exact=exact)
 
 

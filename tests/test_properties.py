@@ -429,7 +429,8 @@ def test_exact_where_the_result_must_be_exact(scenario):
     with hshare.patched(model, config):
         cache = hshare.new_cache(model)
         with ps.SelectionSpy(config.budget.sink, config.budget.local, config.budget.total, config.budget.heavy,
-                             candidates=config.candidate_count):
+                             candidates=config.candidate_count,
+                             successors=config.sharing.successors):
             seq, logits = ps.generate(model, ids, mask, new_tokens, cache=cache)
     assert torch.isfinite(logits).all()
     atol = 1e-8 if spec.dtype == "float64" else 2e-5
@@ -493,7 +494,8 @@ def test_sparse_decode_invariants_and_counters(scenario):
     with hshare.patched(model, config):
         cache = hshare.new_cache(model)
         with ps.SelectionSpy(config.budget.sink, config.budget.local, config.budget.total, config.budget.heavy, expected_valid,
-                             candidates=config.candidate_count) as spy:
+                             candidates=config.candidate_count,
+                             successors=config.sharing.successors) as spy:
             seq, logits = ps.generate(model, ids, mask, new_tokens, cache=cache)
     assert torch.isfinite(logits).all(), "NaN / inf in the logits"
     assert seq.shape == (len(lengths), ids.shape[1] + new_tokens)
