@@ -26,7 +26,7 @@ import torch
 
 from hshare.planner import head_similarity, layer_overlaps
 from hshare.policy import new_policy
-from hshare.selection import prefill_middle_windows, select_heavy
+from hshare.selection import prefill_middle_windows, select_heavy, with_successors
 
 if TYPE_CHECKING:
     from hshare.cache import HShareCache
@@ -123,7 +123,14 @@ def record_evidence(cache: HShareCache, planner: StepPlanner, layer_idx: int, qu
     row_valid = valid[:, None, :] & causal[None] & valid[:, kv_len - rows:, None]  # [B, W, n]
     middle = prefill_middle_windows(row_valid, config.budget.sink, config.budget.local)
     scores = layer.policy.prefill_scores(query)  # [B, H_sel, W, n]
-    keep = select_heavy(scores, middle[:, None], config.budget.heavy)
+    heavy = config.budget.heavy
+    if config.sharing.successors and heavy:  # the top half and its successors, as decode selects
+        batch, heads, _, n = scores.shape
+        top = select_heavy(scores, middle[:, None], heavy - heavy // 2).transpose(1, 2)  # [B, W, H_sel, top]
+        keep = with_successors(top.reshape(batch * rows, heads, -1), middle.reshape(batch * rows, n), heavy)
+        keep = keep.view(batch, rows, heads, heavy).transpose(1, 2)
+    else:
+        keep = select_heavy(scores, middle[:, None], heavy)
     if config.sharing.head < 1:
         planner.head_similarity[layer_idx] = head_similarity(keep, kv_len)
     if config.sharing.layer < 1:

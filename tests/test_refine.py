@@ -346,6 +346,47 @@ def test_successors_without_refinement(monkeypatch, preset, prefix):
     assert bool(checked["copied"]) == (preset == "hshare-1_2-1_2-1_2")  # 3/4 of 2 heads rounds to 2
 
 
+def test_plan_evidence_takes_successors(monkeypatch):
+    """The greedy plan's evidence with successors: each (row, head, evidence row) keeps the top ceil(heavy / 2)
+    of its prefill scores in its middle window and their successors (brute force), as decode selects."""
+    from hshare import prefill_metadata
+
+    seen = {}
+    real_select, real_middle, real_overlaps = (prefill_metadata.select_heavy, prefill_metadata.prefill_middle_windows,
+                                               prefill_metadata.layer_overlaps)
+
+    def select(scores, middle, k):
+        seen["scores"], seen["top"] = scores.clone(), k
+        return real_select(scores, middle, k)
+
+    def middle_windows(*args):
+        seen["middle"] = real_middle(*args)
+        return seen["middle"]
+
+    def overlaps(keep, earlier, n):
+        seen.setdefault("checked", []).append((seen["scores"], seen["middle"], seen["top"], keep.clone()))
+        return real_overlaps(keep, earlier, n)
+
+    monkeypatch.setattr(prefill_metadata, "select_heavy", select)
+    monkeypatch.setattr(prefill_metadata, "prefill_middle_windows", middle_windows)
+    monkeypatch.setattr(prefill_metadata, "layer_overlaps", overlaps)
+    model = tiny_llama(kv_heads=2, layers=4, heads=4)
+    ids, mask = left_padded(LENGTHS, torch.Generator().manual_seed(4))
+    with hshare.patched(model, "hshare-successors", dense_fallback_mib=0, **SMALL):
+        greedy(model, ids, mask, new_tokens=2, past_key_values=hshare.new_cache(model))
+    heavy = SMALL["heavy"]
+    assert len(seen["checked"]) == 4
+    for scores, middle, top, keep in seen["checked"]:
+        assert top == heavy - heavy // 2
+        batch, heads, rows, _ = scores.shape
+        for b in range(batch):
+            for w in range(rows):
+                allowed = middle[b, w].nonzero().flatten()
+                for h in range(heads):
+                    ranked = allowed[scores[b, h, w, allowed].argsort(descending=True)].tolist()
+                    assert _as_set(keep[b, h, w]) == _with_successors_brute_force(ranked, heavy, middle[b, w])
+
+
 def _refinements_brute_force(cache, steps: int) -> int:
     """Refinements of a generation of `steps` decode steps, counted from the plan and the schedule."""
     planner, rows, heads = cache.planner, cache.rows, cache.sel_heads
