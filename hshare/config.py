@@ -265,6 +265,8 @@ class PolicyConfig:
 
     name: ClassVar[str] = ""  # the registered policy's name (set by `register_policy`)
     flat_names: ClassVar[dict[str, str]] = {}
+    # why the policy cannot take `SharingConfig.successors` ("" = it can)
+    refuses_successors: ClassVar[str] = ""
 
     def validate_for_model(self, head_dim: int) -> None:
         """Checks that need the model's head dimension; raises `ConfigError` naming the field."""
@@ -513,10 +515,10 @@ class HShareConfig:
         for section, value in sections.items():
             object.__setattr__(self, section, value)
         object.__setattr__(self, "name", str(name))
-        if self.sparse and self.sharing.successors and self.policy.name == "quest":
-            raise ConfigError("HShareConfig.sharing.successors = True with policy 'quest' is invalid: quest keeps whole "
-                              "pages, whose columns are each other's successors, so successors would halve its pages; "
-                              "accepted: successors with the 'labels' or 'loki' policy, or quest without successors")
+        if self.sparse and self.sharing.successors and self.policy.refuses_successors:
+            raise ConfigError(f"HShareConfig.sharing.successors = True with policy '{self.policy.name}' is invalid: "
+                              f"{self.policy.refuses_successors}; accepted: successors with a policy that selects "
+                              f"columns (e.g. 'labels'), or '{self.policy.name}' without successors")
         if self.runtime.sparse_prefill and self.prefix.mode == "on":
             raise ConfigError(
                 "HShareConfig.runtime.sparse_prefill = True with prefix.mode = 'on' is invalid: a shared prefix is "

@@ -26,7 +26,7 @@ import torch
 
 from hshare.planner import head_similarity, layer_overlaps
 from hshare.policy import new_policy
-from hshare.selection import prefill_middle_windows, select_heavy, with_successors
+from hshare.selection import prefill_middle_windows, select_heavy, top_with_successors
 
 if TYPE_CHECKING:
     from hshare.cache import HShareCache
@@ -123,14 +123,13 @@ def record_evidence(cache: HShareCache, planner: StepPlanner, layer_idx: int, qu
     row_valid = valid[:, None, :] & causal[None] & valid[:, kv_len - rows:, None]  # [B, W, n]
     middle = prefill_middle_windows(row_valid, config.budget.sink, config.budget.local)
     scores = layer.policy.prefill_scores(query)  # [B, H_sel, W, n]
-    heavy = config.budget.heavy
-    if config.sharing.successors and heavy:  # the top half and its successors, as decode selects
-        batch, heads, _, n = scores.shape
-        top = select_heavy(scores, middle[:, None], heavy - heavy // 2).transpose(1, 2)  # [B, W, H_sel, top]
-        keep = with_successors(top.reshape(batch * rows, heads, -1), middle.reshape(batch * rows, n), heavy)
-        keep = keep.view(batch, rows, heads, heavy).transpose(1, 2)
-    else:
-        keep = select_heavy(scores, middle[:, None], heavy)
+    batch, heads, _, n = scores.shape
+
+    def pick(k: int) -> torch.Tensor:  # [B x W, H_sel, k]: each evidence row as a row of its own
+        return select_heavy(scores, middle[:, None], k).transpose(1, 2).reshape(batch * rows, heads, k)
+
+    keep = top_with_successors(pick, middle.reshape(batch * rows, n), config.budget.heavy, config.sharing.successors)
+    keep = keep.view(batch, rows, heads, config.budget.heavy).transpose(1, 2)  # [B, H_sel, W, heavy], as decode selects
     if config.sharing.head < 1:
         planner.head_similarity[layer_idx] = head_similarity(keep, kv_len)
     if config.sharing.layer < 1:

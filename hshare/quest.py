@@ -101,6 +101,8 @@ class QuestConfig(PolicyConfig):
 
     page_size: int = 16
     flat_names = {"page_size": "page_size"}
+    refuses_successors = ("quest keeps whole pages, whose columns are each other's successors, so successors would "
+                          "halve its pages")
 
     def __post_init__(self) -> None:
         check_int("policy.page_size", self.page_size, 1, 65536)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from hshare.policy import SelectionPolicy, top_candidates
-from hshare.selection import per_head, select_heavy, with_successors
+from hshare.selection import per_head, select_heavy, top_with_successors
 
 
 def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torch.Tensor, count: int, heavy: int,
@@ -45,14 +45,12 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         source head's C rows scored again), so no ``[B', H', n]`` score tensor is needed; another selects a
         source head's C and heavy from one score tensor, and its copying heads refine.
     """
-    top = count - count // 2 if successors else count
     if policy.scores_candidates:
-        candidates = policy.decode_heavy(query, window, top, rows, heads)
+        candidates = top_with_successors(lambda k: policy.decode_heavy(query, window, k, rows, heads), window, count,
+                                         successors)
     else:
         scores = policy.decode_scores(query, rows, heads)
-        candidates = select_heavy(scores, window[:, None], top)
-    if successors:
-        candidates = with_successors(candidates, window, count)
+        candidates = top_with_successors(lambda k: select_heavy(scores, window[:, None], k), window, count, successors)
     if policy.scores_candidates:
         if head_slot is not None:
             candidates, heads = per_head(candidates, head_slot), None

@@ -17,6 +17,7 @@ its source's query rarely ranks it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -183,3 +184,17 @@ def per_head(columns: torch.Tensor, head_slot: torch.Tensor) -> torch.Tensor:
     (``head_slot`` ``[P, H_sel]``: each head's slot among the source heads, P = 1 or B')."""
     slots = head_slot.expand(columns.shape[0], -1)[..., None].expand(-1, -1, columns.shape[-1])
     return columns.gather(1, slots)
+
+
+def top_with_successors(pick: Callable[[int], torch.Tensor], window: torch.Tensor, count: int,
+                        successors: bool) -> torch.Tensor:
+    """The `count` columns a selection keeps (`SharingConfig.successors`): ``pick(count)``, or with
+    successors ``pick(ceil(count / 2))`` and their successors (`with_successors`).
+
+    Args:
+        pick: ``k -> [B', H, k]`` a selection's top k columns of the window.
+        window: ``[B', n]`` bool, the selectable columns.
+    """
+    if not successors or count == 0:
+        return pick(count)
+    return with_successors(pick(count - count // 2), window, count)
