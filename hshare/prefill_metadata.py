@@ -26,7 +26,7 @@ import torch
 
 from hshare.planner import head_similarity, layer_overlaps
 from hshare.policy import new_policy
-from hshare.selection import prefill_middle_windows, select_heavy, top_with_successors
+from hshare.selection import prefill_middle_windows, select_heavy
 
 if TYPE_CHECKING:
     from hshare.cache import HShareCache
@@ -107,8 +107,9 @@ def complete(cache: HShareCache, planner: StepPlanner, layer_idx: int) -> None:
 
 def record_evidence(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch.Tensor,
                     valid: torch.Tensor) -> None:
-    """This layer's keep-sets for a greedy plan: the heavy columns decode selection would choose
-    for the last W prompt query rows (same policy scores, same windows).
+    """This layer's keep-sets for a greedy plan: the top `heavy` columns of the last W prompt query rows
+    (the policy scores and windows of decode selection; with `SharingConfig.successors`, the ranking
+    before successors are added).
 
     Args:
         query: the last W prompt queries as `SelectionPolicy.score_query` made them.
@@ -123,13 +124,8 @@ def record_evidence(cache: HShareCache, planner: StepPlanner, layer_idx: int, qu
     row_valid = valid[:, None, :] & causal[None] & valid[:, kv_len - rows:, None]  # [B, W, n]
     middle = prefill_middle_windows(row_valid, config.budget.sink, config.budget.local)
     scores = layer.policy.prefill_scores(query)  # [B, H_sel, W, n]
-    batch, heads, _, n = scores.shape
-
-    def pick(k: int) -> torch.Tensor:  # [B x W, H_sel, k]: each evidence row as a row of its own
-        return select_heavy(scores, middle[:, None], k).transpose(1, 2).reshape(batch * rows, heads, k)
-
-    keep = top_with_successors(pick, middle.reshape(batch * rows, n), config.budget.heavy, config.sharing.successors)
-    keep = keep.view(batch, rows, heads, config.budget.heavy).transpose(1, 2)  # [B, H_sel, W, heavy], as decode selects
+    # with successors too: the plan pairs heads and layers that rank alike (eval/RESULTS.md, the demo)
+    keep = select_heavy(scores, middle[:, None], config.budget.heavy)
     if config.sharing.head < 1:
         planner.head_similarity[layer_idx] = head_similarity(keep, kv_len)
     if config.sharing.layer < 1:
