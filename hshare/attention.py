@@ -33,7 +33,7 @@ from hshare.step import DecodeStep
 from hshare.heads import head_shard
 from hshare.kernels import attention_with_lse, gather_attention, merge_attention_states, split_decode_attention
 from hshare.refine import select_candidates
-from hshare.selection import NO_TOKEN, per_head, top_with_successors, valid_columns_from_mask
+from hshare.selection import NO_TOKEN, per_head, valid_columns_from_mask
 from hshare.sparse_prefill import sparse_prefill_attention
 
 ATTENTION_NAME = "hshare"
@@ -199,8 +199,8 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
     if rows is None or len(rows):
         middle, source_heads, head_slot, _ = _source_rows(share, step.windows.selectable)
         heads = None if share.all_heads else source_heads
-        pick = lambda k: layer.policy.decode_heavy(query[:, :, 0], middle, k, rows=rows, heads=heads)  # noqa: E731
-        chosen = top_with_successors(pick, middle, config.budget.heavy, config.sharing.successors)
+        select = layer.policy.decode_heavy_successors if config.sharing.successors else layer.policy.decode_heavy
+        chosen = select(query[:, :, 0], middle, config.budget.heavy, rows=rows, heads=heads)
         if not share.all_heads:
             chosen = per_head(chosen, head_slot)
         heavy = _in_batch(chosen, rows, query.shape[0])

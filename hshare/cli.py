@@ -46,8 +46,7 @@ def _presets(args: argparse.Namespace) -> int:
         b, s = c.budget, c.sharing
         scores = c.policy.describe() if b.heavy else "no scoring"
         refine = f" refining {c.candidate_count} candidates" if c.candidate_count else ""
-        refine += (" (half of them successors)" if c.candidate_count else ", half of the heavy successors") \
-            if s.successors else ""
+        refine += (" with successors" if c.candidate_count else ", heavy with successors") if s.successors else ""
         detail = (f"N_c {b.total} = {b.sink}+{b.local}+{b.heavy}, sharing {s.layer:g}-{s.head:g}-{s.query:g}{refine}, "
                   f"{scores}") if c.sparse else "exact dense"
         print(f"{name:<{width}}{detail}")

@@ -163,12 +163,12 @@ class SharingConfig:
             heads, layers and steps reusing its selection share; each of them refines the set to its
             own top `heavy` by scoring only the candidates' metadata with its own query
             (`hshare.refine`, `SelectionPolicy.candidate_scores`).
-        successors: a selecting head keeps the top half of what it would keep (rounded up) and the column
-            after each of them (its successor, where selectable and not already kept; for an odd count,
-            after each but the largest column): its heavy columns, or with refinement its C candidates.
-            A copying (induction) head attends the column after its last match, one column on at each
-            step and one column after the head that found the match, so a reusing step or a later layer
-            can still reach it. False = the top columns.
+        successors: a selecting head walks its top columns (its heavy columns, or with refinement its C
+            candidates) in rank order and keeps each with the column after it (its successor, where
+            selectable and not already kept) until as many are kept: without adjacent top columns, the
+            top half and their successors. A copying (induction) head attends the column after its last
+            match, one column on at each step and one column after the head that found the match, so a
+            reusing step or a later layer can still reach it. False = the top columns.
     """
 
     layer: float = 1.0

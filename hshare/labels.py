@@ -18,8 +18,9 @@ import torch
 
 from hshare.channels import dynamic_channels, resolve_calibration
 from hshare.config import ConfigError, HShareConfig, PolicyConfig, check_choice, check_int
-from hshare.kernels import (append_labels, candidate_label_scores, candidate_label_topk, decode_label_scores,
-                            decode_label_topk, label_scores, label_storage_dtype, query_labels, use_triton)
+from hshare.kernels import (append_labels, candidate_label_scores, candidate_label_topk, candidate_label_walk,
+                            decode_label_scores, decode_label_topk, label_scores, label_storage_dtype, query_labels,
+                            use_triton)
 from hshare.policy import SelectionPolicy, register_policy
 
 if TYPE_CHECKING:
@@ -196,6 +197,14 @@ class LabelCache(SelectionPolicy):
             return super().decode_heavy(query, selectable, heavy, rows, heads)
         return decode_label_topk(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
                                  self.bits, heavy, selectable=selectable, rows=rows, heads=heads)
+
+    def decode_heavy_successors(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int,
+                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """The fused top-k (`decode_heavy`), then the top columns' label scores and their walk with successors in
+        one operation (`kernels.candidate_label_walk`; CUDA: one launch, their ``heavy`` label rows read)."""
+        top = self.decode_heavy(query, selectable, heavy, rows, heads)
+        return candidate_label_walk(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
+                                    self.bits, top, selectable, rows, heads)
 
     def candidate_heavy(self, query: torch.Tensor, candidates: torch.Tensor, window: torch.Tensor, heavy: int,
                         rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from hshare.buffer import GrowingBuffer
 from hshare.config import ConfigError, HShareConfig, PolicyConfig
-from hshare.kernels import NO_TOKEN, select_heavy
+from hshare.kernels import NO_TOKEN, select_heavy, with_successors
 from hshare.kernels.selection_heads import kv_heads_read, pick_heads
 
 if TYPE_CHECKING:
@@ -153,6 +153,18 @@ class SelectionPolicy(ABC):
         (None = all), ``NO_TOKEN`` where the window is short (`kernels.select_heavy`'s contract: the set is
         the contract, not the order). A policy that can score and select in one pass overrides it."""
         return select_heavy(self.decode_scores(query, rows, heads), selectable[:, None], heavy)
+
+    def decode_heavy_successors(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int,
+                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """`decode_heavy` with successors (`SharingConfig.successors`): the `heavy` best columns walked in rank
+        order, each taken with the column after it, until `heavy` are taken (`kernels.with_successors`).
+        Ranking the top `heavy` scores them again (`candidate_scores`: `heavy` units) where the policy scores
+        candidates alone; otherwise one score tensor serves both."""
+        if self.scores_candidates:
+            top = self.decode_heavy(query, selectable, heavy, rows, heads)
+            return with_successors(top, self.candidate_scores(query, top, rows, heads), selectable)
+        scores = self.decode_scores(query, rows, heads)
+        return ranked_with_successors(scores, selectable, heavy)
 
     def candidate_scores(self, query: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | None = None,
                          heads: torch.Tensor | None = None) -> torch.Tensor:
@@ -299,6 +311,13 @@ def top_candidates(scores: torch.Tensor, candidates: torch.Tensor, allowed: torc
     ``[..., C]``), ``NO_TOKEN`` where fewer are allowed (`kernels.select_heavy` over candidate positions)."""
     position = select_heavy(scores, allowed, heavy)
     return torch.where(position >= 0, candidates.gather(-1, position.clamp(min=0)), torch.full_like(position, NO_TOKEN))
+
+
+def ranked_with_successors(scores: torch.Tensor, selectable: torch.Tensor, heavy: int) -> torch.Tensor:
+    """The top `heavy` of scores ``[B', H', n]`` in the window ``[B', n]`` (bool), walked with their successors
+    (`kernels.with_successors`): ``[B', H', heavy]``."""
+    top = select_heavy(scores, selectable[:, None], heavy)
+    return with_successors(top, scores.gather(-1, top.clamp(min=0)), selectable)
 
 
 def _columns(columns: int) -> int:

@@ -8,16 +8,16 @@ and its top `heavy` of them as its heavy columns. The heads, layers and steps th
 `heavy` of them: a few C label rows per head instead of every cached column, and a selection fitted to
 each reusing query.
 
-With `SharingConfig.successors` the C candidates are the top ceil(C / 2) columns and their successors
-(`hshare.selection.with_successors`).
+With `SharingConfig.successors` the C candidates are the top C columns walked in rank order, each kept
+with its successor, until C are kept (`hshare.selection.with_successors`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hshare.policy import SelectionPolicy, top_candidates
-from hshare.selection import per_head, select_heavy, top_with_successors
+from hshare.policy import SelectionPolicy, ranked_with_successors, top_candidates
+from hshare.selection import per_head, select_heavy
 
 
 def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torch.Tensor, count: int, heavy: int,
@@ -35,7 +35,7 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         heads: ``[P, n_src]`` the source heads (None = every selection head selects, and the rest is None);
         head_slot: ``[P, H_sel]`` each head's slot among them; copy_heads: ``[P, H_sel - n_src]`` the heads
             that copy (P = 1 for a batch plan, else B').
-        successors: the C candidates are the top ceil(C / 2) and their successors (`with_successors`).
+        successors: the C candidates are the top C walked with their successors (`with_successors`).
 
     Returns:
         ``(heavy, candidates)``: ``[B', H, heavy]`` and ``[B', H, C]`` int64 columns (H = n_src without
@@ -46,11 +46,12 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         source head's C and heavy from one score tensor, and its copying heads refine.
     """
     if policy.scores_candidates:
-        candidates = top_with_successors(lambda k: policy.decode_heavy(query, window, k, rows, heads), window, count,
-                                         successors)
+        select = policy.decode_heavy_successors if successors else policy.decode_heavy
+        candidates = select(query, window, count, rows, heads)
     else:
         scores = policy.decode_scores(query, rows, heads)
-        candidates = top_with_successors(lambda k: select_heavy(scores, window[:, None], k), window, count, successors)
+        candidates = (ranked_with_successors(scores, window, count) if successors
+                      else select_heavy(scores, window[:, None], count))
     if policy.scores_candidates:
         if head_slot is not None:
             candidates, heads = per_head(candidates, head_slot), None

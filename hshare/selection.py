@@ -7,8 +7,9 @@ the attention mask: the sink is the first ``sink`` valid columns, the local wind
 with no more valid columns than the budget N_c attends to all of them (exact). Index ``-1`` marks
 "no token" and is never read.
 
-With `SharingConfig.successors` a selecting head keeps its top half and the column after each
-(`with_successors`): a head that copies (an induction head: it attends the token after an earlier
+With `SharingConfig.successors` a selecting head walks its top columns in rank order and keeps each with
+the column after it until its budget is full (`with_successors`; without adjacent columns, its top half
+and their successors): a head that copies (an induction head: it attends the token after an earlier
 match) moves one column on as the query moves one token on, and a later layer's copying head attends
 one column after the head that found the match, so the successor is where a reusing query looks while
 its source's query rarely ranks it.
@@ -17,8 +18,6 @@ its source's query rarely ranks it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from hshare.kernels import NO_TOKEN, critical_indices, select_heavy, with_successors  # noqa: F401 (re-exported)
@@ -184,17 +183,3 @@ def per_head(columns: torch.Tensor, head_slot: torch.Tensor) -> torch.Tensor:
     (``head_slot`` ``[P, H_sel]``: each head's slot among the source heads, P = 1 or B')."""
     slots = head_slot.expand(columns.shape[0], -1)[..., None].expand(-1, -1, columns.shape[-1])
     return columns.gather(1, slots)
-
-
-def top_with_successors(pick: Callable[[int], torch.Tensor], window: torch.Tensor, count: int,
-                        successors: bool) -> torch.Tensor:
-    """The `count` columns a selection keeps (`SharingConfig.successors`): ``pick(count)``, or with
-    successors ``pick(ceil(count / 2))`` and their successors (`with_successors`).
-
-    Args:
-        pick: ``k -> [B', H, k]`` a selection's top k columns of the window.
-        window: ``[B', n]`` bool, the selectable columns.
-    """
-    if not successors or count == 0:
-        return pick(count)
-    return with_successors(pick(count - count // 2), window, count)

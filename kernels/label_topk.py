@@ -33,6 +33,10 @@ columns per (row, head) instead of every column: its "window" is the candidates 
 columns come in candidate order (ascending when the candidates are), ties go to the earlier candidate.
 CUDA: one launch of `label_topk_triton.candidate_label_topk_triton`; the twin
 `candidate_label_topk_torch` scores the candidates (`labels.candidate_label_scores`).
+
+`candidate_label_walk` (`SharingConfig.successors`) scores a selection's top columns the same way and walks
+them in rank order with their successors (`successors.with_successors`). CUDA: one launch of
+`label_topk_triton.candidate_label_walk_triton`; the twin `candidate_label_walk_torch`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 from .critical_indices import NO_TOKEN
 from .dispatch import use_triton
 from .labels import candidate_label_scores, decode_query_labels, score_heads_torch
+from .successors import with_successors_torch
 
 
 def label_topk(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
@@ -133,6 +138,47 @@ def candidate_label_topk_torch(query: torch.Tensor, channels: torch.Tensor, code
         allowed &= inside.bool()
     position = select_heavy_columns_torch(scores, allowed, heavy)  # ascending positions, then NO_TOKEN
     return torch.where(position >= 0, candidates.gather(-1, position.clamp(min=0)), torch.full_like(position, NO_TOKEN))
+
+
+def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
+                         zero: torch.Tensor | None, bits: int, candidates: torch.Tensor, selectable: torch.Tensor,
+                         rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+    """A selection's top columns walked with their successors by the decode query's label scores
+    (`SharingConfig.successors`).
+
+    Args:
+        query, channels, codes, scale, zero, bits, rows, heads: as `decode_label_topk`.
+        candidates: ``[A, H', C]`` the columns a selection ranks highest per (row, head), in any order; a
+            negative entry is none.
+        selectable: ``[A, n]`` bool, the window: a candidate outside it (or scored non-finite) takes no part,
+            and a successor must lie in it.
+
+    Returns:
+        ``[A, H', C]`` int64: `successors.with_successors` of the candidates and their label scores. Only the
+        candidates' label rows are read (CUDA: one Triton launch, `label_topk_triton.candidate_label_walk_triton`,
+        up to its ``MAX_CANDIDATES``).
+    """
+    if _runs_triton(query, codes, bits, candidates.shape[-1], channels.shape[-1]):
+        from .label_topk_triton import MAX_CANDIDATES, candidate_label_walk_triton
+
+        if candidates.shape[-1] <= MAX_CANDIDATES:
+            rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
+            return candidate_label_walk_triton(query, channels, codes, scale, zero, bits, candidates, rows, heads,
+                                               selectable)
+    return candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads)
+
+
+def candidate_label_walk_torch(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
+                               scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
+                               candidates: torch.Tensor, selectable: torch.Tensor, rows: torch.Tensor | None = None,
+                               heads: torch.Tensor | None = None) -> torch.Tensor:
+    """The twin of `candidate_label_walk` (same contract): the candidates' scores (`labels.candidate_label_scores`),
+    then `successors.with_successors_torch` of the allowed ones."""
+    scores = candidate_label_scores(query, channels, codes, scale, zero, bits, candidates, rows, heads)
+    inside = selectable[:, None].expand(-1, candidates.shape[1], -1).gather(-1, candidates.clamp(min=0))
+    allowed = (candidates >= 0) & inside.bool() & torch.isfinite(scores)
+    return with_successors_torch(torch.where(allowed, candidates, torch.full_like(candidates, NO_TOKEN)), scores,
+                                 selectable)
 
 
 def label_topk_torch(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,

@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from .labels_triton import kernel_label_inputs
+from .successors_triton import COLUMN_BITS, _walk
 
 CHUNK = 4096  # columns per program (and the longest row done in one launch)
 MAX_CHUNKS = 32  # longer rows take longer chunks (the bound L compares every pair of sketch keys)
@@ -381,15 +382,17 @@ def _label_topk_sketch(
 
 
 @triton.jit
-def _label_candidates_topk(
+def _label_candidates(
     query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, out_ptr,
     n, heavy, candidates,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh,
     HEADS: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr,
     PER_ROW_CHANNELS: tl.constexpr, HAS_MASK: tl.constexpr, C_PAD: tl.constexpr, TILE: tl.constexpr,
+    WALK: tl.constexpr,
 ):
-    """Program (row-head pid): the row-head's candidates' keys (a negative column has none), its top
-    columns in candidate order."""
+    """Program (row-head pid): the row-head's candidates' keys (a negative column, one outside the mask or
+    scored non-finite has none), then its top `heavy` columns in candidate order, or (WALK, with the mask:
+    the window) all of them walked with their successors (`successors_triton._walk`; `heavy` = candidates)."""
     pid = tl.program_id(0)
     i = (pid // HEADS).to(tl.int64)
     row = tl.load(rows_ptr + i).to(tl.int64)
@@ -400,7 +403,11 @@ def _label_candidates_topk(
                       pid, i, row, head, cols, tl.zeros((), tl.int32), tl.zeros((), tl.int32) + n,
                       s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_mb,
                       R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
-    _top_columns(out_ptr + pid.to(tl.int64) * heavy, key, cols, heavy, TILE)
+    if WALK:
+        _walk(out_ptr + pid.to(tl.int64) * heavy, cols.to(tl.int64), key, key != -2147483648, mask_ptr + i * s_mb,
+              n, heavy, C_PAD)
+    else:
+        _top_columns(out_ptr + pid.to(tl.int64) * heavy, key, cols, heavy, TILE)
 
 
 @triton.jit
@@ -584,6 +591,29 @@ def candidate_label_topk_triton(query: torch.Tensor, channels: torch.Tensor, cod
     """Same contract as `label_topk.candidate_label_topk` (``[A, H', heavy]`` int64, the chosen candidates'
     columns in candidate order, then NO_TOKEN), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors:
     one launch, a program per (row, head) scoring its ``C <= MAX_CANDIDATES`` candidates in registers."""
+    return _candidates(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads, selectable,
+                       False, tile, num_warps)
+
+
+def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
+                                scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
+                                candidates: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
+                                selectable: torch.Tensor, *, num_warps: int | None = None) -> torch.Tensor:
+    """Same contract as `label_topk.candidate_label_walk` (``[A, H', C]`` int64, the walk's columns in the order
+    taken, then NO_TOKEN), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors: one launch, a program per
+    (row, head) scoring its ``C <= MAX_CANDIDATES`` candidates and walking them in registers."""
+    if codes.shape[2] >= (1 << COLUMN_BITS) - 1:
+        raise ValueError(f"{codes.shape[2]} columns; accepted: fewer than {(1 << COLUMN_BITS) - 1} (the torch twin "
+                         "takes more)")
+    return _candidates(query, channels, codes, scale, zero, bits, candidates.shape[-1], candidates, rows, heads,
+                       selectable, True, None, num_warps)
+
+
+def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
+                zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor, rows: torch.Tensor,
+                heads: torch.Tensor, selectable: torch.Tensor | None, walk: bool, tile: int | None,
+                num_warps: int | None) -> torch.Tensor:
+    """One launch of `_label_candidates`: ``[A, H', heavy]`` int64."""
     count, n_heads, width = candidates.shape
     out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=codes.device)
     if heavy == 0 or count * n_heads == 0:
@@ -595,12 +625,12 @@ def candidate_label_topk_triton(query: torch.Tensor, channels: torch.Tensor, cod
         query, channels, codes, scale, zero, bits, r, rows, heads, selectable)
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
     pad = max(16, triton.next_power_of_2(width))
-    _label_candidates_topk[(count * n_heads,)](
+    _label_candidates[(count * n_heads,)](
         query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out,
         codes.shape[2], heavy, width, *strides, candidates.stride(0), candidates.stride(1),
         HEADS=n_heads, R=r, BITS=bits, LOAD_BYTES=load_bytes, GROUP=group,
         PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None, C_PAD=pad,
-        TILE=tile or TAIL_TILE, num_warps=num_warps or max(4, min(16, pad // 512)),
+        TILE=tile or TAIL_TILE, WALK=walk, num_warps=num_warps or max(4, min(16, pad // 512)),
     )
     return out
 

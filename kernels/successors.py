@@ -1,5 +1,5 @@
-"""Successors of a selection (`SharingConfig.successors`): the kept columns, then the column after each of
-the smallest of them, where it is selectable and not already kept.
+"""Successors of a selection (`SharingConfig.successors`): a selection's top columns walked in rank order, each
+taken with the column after it, until the selection's width is taken.
 
 `with_successors` dispatches (`dispatch.use_triton`): CUDA tensors go to one Triton launch
 (`successors_triton`), everything else to the twin `with_successors_torch` (the CPU path and the test
@@ -14,34 +14,71 @@ from .critical_indices import NO_TOKEN
 from .dispatch import use_triton
 
 
-def with_successors(columns: torch.Tensor, window: torch.Tensor, width: int) -> torch.Tensor:
-    """The columns and their successors (contract: `with_successors_torch`); Triton for CUDA tensors."""
+def with_successors(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """The columns walked with their successors (contract: `with_successors_torch`); Triton for CUDA tensors."""
     if use_triton(columns):
         from .successors_triton import with_successors_triton
 
-        return with_successors_triton(columns, window, width)
-    return with_successors_torch(columns, window, width)
+        return with_successors_triton(columns, scores, window)
+    return with_successors_torch(columns, scores, window)
 
 
-def with_successors_torch(columns: torch.Tensor, window: torch.Tensor, width: int) -> torch.Tensor:
-    """The columns and their successors.
+def with_successors_torch(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """A selection's top columns walked in rank order, each taken with its successor, until k are taken.
+
+    The walk: in rank order (score descending, then the smaller column first; ``NO_TOKEN`` entries last and
+    never taken), take the column unless it is taken (the successor, in the window, of a column ranked before
+    it), then its
+    successor (column + 1) where it lies in the window and is not taken (a column ranked before it); stop
+    when k slots are taken. The k columns given always fill the k slots (each adds itself or was taken as a
+    successor), so the walk never looks past them; without adjacent columns it takes the top ceil(k / 2) and
+    their successors.
 
     Args:
-        columns: ``[B', H, k]`` int64, distinct per (row, head), ``NO_TOKEN`` allowed.
+        columns: ``[B', H, k]`` int64, distinct per (row, head), ``NO_TOKEN`` allowed; the columns in the
+            window a selection ranks highest, in any order.
+        scores: ``[B', H, k]`` their scores (any float dtype; compared as float32, -0.0 as +0.0).
         window: ``[B', n]`` bool, the selectable columns of each row.
-        width: k <= width <= 2k.
 
     Returns:
-        ``[B', H, width]`` int64: the columns as given, then the successor (column + 1) of each of the
-        `width` - k smallest entries (``NO_TOKEN`` entries first), where it lies in the window and is not
-        among the columns; ``NO_TOKEN`` otherwise.
+        ``[B', H, k]`` int64: the columns taken, in the order taken (``NO_TOKEN`` in slots left when fewer
+        than k columns were given).
     """
-    ordered = columns.sort(-1).values  # NO_TOKEN first; a column's successor is a column iff the next one is it
-    successor = ordered + 1
-    taken = torch.cat((ordered[..., 1:] == successor[..., :-1], torch.zeros_like(ordered[..., :1], dtype=torch.bool)),
-                      -1)
+    rows, heads, k = columns.shape
     n = window.shape[-1]
-    inside = window[:, None].expand(-1, columns.shape[1], -1).gather(-1, successor.clamp(max=n - 1))
-    keep = (ordered >= 0) & (successor < n) & inside & ~taken
-    successors = torch.where(keep, successor, torch.full_like(successor, NO_TOKEN))
-    return torch.cat((columns, successors[..., :width - columns.shape[-1]]), -1)
+    valid = columns >= 0
+    score = torch.where(valid, scores.float() + 0.0, torch.zeros((), device=columns.device))
+    # rank order by three stable sorts: column ascending, then score descending, then valid first
+    order = columns.argsort(dim=-1, stable=True)
+    order = order.gather(-1, score.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
+    order = order.gather(-1, (~valid).gather(-1, order).to(torch.uint8).argsort(dim=-1, stable=True))
+    ranked = columns.gather(-1, order)  # [B', H, k] rank order
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(k, device=columns.device).expand_as(order))
+    # neighbours in column order: whether column - 1 and column + 1 are given and ranked before
+    by_column = columns.argsort(-1)
+    ordered, ordered_rank = columns.gather(-1, by_column), rank.gather(-1, by_column)
+    pad = torch.full_like(ordered[..., :1], NO_TOKEN - 1)
+    before = torch.cat((pad, ordered[..., :-1]), -1)
+    after = torch.cat((ordered[..., 1:], pad), -1)
+    rank_pad = torch.full_like(pad, k)
+    before_rank = torch.cat((rank_pad, ordered_rank[..., :-1]), -1)
+    after_rank = torch.cat((ordered_rank[..., 1:], rank_pad), -1)
+    ok = ordered >= 0
+    rows_window = window[:, None].expand(-1, heads, -1)
+    # taken already: the successor of the column before it, ranked before it, where it lies in the window
+    in_window = rows_window.gather(-1, ordered.clamp(min=0))
+    own = ok & ~((before == ordered - 1) & (before_rank < ordered_rank) & in_window)
+    successor = ordered + 1
+    inside = rows_window.gather(-1, successor.clamp(max=n - 1))
+    follows = ok & (successor < n) & inside & ~((after == successor) & (after_rank < ordered_rank))
+    # back to rank order: slots taken before each ranked column, then its own slot and its successor's
+    inverse = by_column.argsort(-1).gather(-1, order)
+    own, follows = own.gather(-1, inverse), follows.gather(-1, inverse)
+    cost = own.long() + follows.long()
+    start = cost.cumsum(-1) - cost
+    out = torch.full((rows, heads, k + 1), NO_TOKEN, dtype=columns.dtype, device=columns.device)
+    own_slot = torch.where(own & (start < k), start, k)
+    out.scatter_(-1, own_slot, ranked)
+    follow_slot = start + own.long()
+    out.scatter_(-1, torch.where(follows & (follow_slot < k), follow_slot, k), ranked + 1)
+    return out[..., :k]

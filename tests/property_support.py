@@ -420,6 +420,23 @@ def check_top_k(scores: torch.Tensor, middle: torch.Tensor, k: int, out: torch.T
     assert bool((lowest_chosen >= best_left).all()), "a better-scored middle column was left out"
 
 
+def check_successor_walk(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor, out: torch.Tensor) -> None:
+    """`with_successors` contract, walked one column at a time: in rank order (score descending, the smaller
+    column first among ties), each column unless taken, then its successor in the window unless taken, until
+    k are taken; the taken columns in that order, NO_TOKEN after them."""
+    n, k = window.shape[-1], columns.shape[-1]
+    for b in range(columns.shape[0]):
+        for h in range(columns.shape[1]):
+            given = sorted((-float(s), int(c)) for c, s in zip(columns[b, h], scores[b, h].float()) if c >= 0)
+            taken: list[int] = []
+            for _, c in given:
+                for column in (c, c + 1):
+                    inside = column == c or (column < n and bool(window[b, column]))
+                    if len(taken) < k and inside and column not in taken:
+                        taken.append(column)
+            assert out[b, h].tolist() == taken + [-1] * (k - len(taken)), "successor walk differs from brute force"
+
+
 class SelectionSpy:
     """Checks every call of `RowWindows.critical_indices` and of a selection's `select_heavy` (a policy's
     `decode_heavy` on CPU, candidate sets and refinements) while active (each against the vectorized
@@ -430,9 +447,9 @@ class SelectionSpy:
                  successors: bool = False) -> None:
         self.sink, self.local, self.budget, self.heavy = sink, local, budget, heavy
         picked = candidates or heavy  # what a selecting head ranks: its candidates, else its heavy columns
-        if successors:  # the top half, the rest successors
-            picked -= picked // 2
         self.top_k_sizes = {heavy, picked}  # heavy columns (picked among candidates too), what a selection ranks
+        self.successors = successors
+        self.walk_calls = 0
         self.expected_valid = expected_valid
         self.critical_calls = 0
         self.select_calls = 0
@@ -489,6 +506,30 @@ class SelectionSpy:
                 return out
             return candidate_heavy
 
+        original_walk = policy.with_successors
+
+        def walk(columns, scores, window):
+            out = original_walk(columns, scores, window)
+            assert spy.successors, "successors walked without SharingConfig.successors"
+            spy.walk_calls += 1
+            check_successor_walk(columns.cpu(), scores.cpu(), window.cpu(), out.cpu())
+            return out
+
+        import hshare.labels as labels
+        from hshare.kernels import candidate_label_scores
+
+        original_label_walk = labels.candidate_label_walk
+
+        def label_walk(query, channels, codes, scale, zero, bits, candidates, selectable, rows=None, heads=None):
+            out = original_label_walk(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads)
+            assert spy.successors, "successors walked without SharingConfig.successors"
+            spy.walk_calls += 1
+            scores = candidate_label_scores(query, channels, codes, scale, zero, bits, candidates, rows, heads)
+            check_successor_walk(candidates.cpu(), scores.cpu(), selectable.cpu(), out.cpu())
+            return out
+
+        self._stack.enter_context(mock.patch.object(policy, "with_successors", walk))
+        self._stack.enter_context(mock.patch.object(labels, "candidate_label_walk", label_walk))
         self._stack.enter_context(mock.patch.object(RowWindows, "critical_indices", critical))
         self._stack.enter_context(mock.patch.object(policy, "select_heavy", select))
         self._stack.enter_context(mock.patch.object(refine, "select_heavy", select))  # candidates, refinements
@@ -569,8 +610,8 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
     H_sel x min(n_b, N_c) per row (a short row all its keys, a long one N_c). That is exact when
     every selection is full at every step of its query group; with a look-ahead, a group of 3 or
     more steps, or a window sliding inside a group, a heavy column may leave the middle window
-    before the next selection, and the value is an upper bound; likewise with successors (a successor
-    already kept, or not selectable, leaves its slot empty). Shared-prefix levels add Hkv x
+    before the next selection, and the value is an upper bound. A successor walk fills every heavy slot
+    (`kernels.with_successors`). Shared-prefix levels add Hkv x
     their tokens (each group once) per layer.
     """
     layers, kv_heads = spec.layers, spec.kv_heads
@@ -611,12 +652,14 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
         counts["refinements"] += refinements
         if config.policy.name == "quest":  # refinements score every page (no candidate-only scores)
             counts["scored_pages"] += (scorings + refinements) * pages_for(own_width + s, config.policy.page_size)
-        else:  # a scoring scores every column, then (with candidates) its C candidates again
-            counts["scored_tokens"] += scorings * (own_width + s + candidates) + refinements * candidates
+        else:  # a scoring scores every column, then (with candidates) its C candidates again, then (with
+            # successors, a policy scoring candidates alone) its top C or heavy again to rank them
+            again = candidates + (candidates or config.budget.heavy) * (
+                config.sharing.successors and config.policy.name == "labels")
+            counts["scored_tokens"] += scorings * (own_width + s + again) + refinements * candidates
     if n_sparse and steps and config.sharing.shares_layers_or_heads:
         counts["plans"] = 1
-    exact = (group == 1 or (group == 2 and not config.sharing.lookahead and not window_clips)) \
-        and not config.sharing.successors
+    exact = group == 1 or (group == 2 and not config.sharing.lookahead and not window_clips)
     return ExpectedStats(**counts, kv_rows_read_exact=exact)
 
 

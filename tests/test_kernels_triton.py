@@ -534,22 +534,27 @@ def test_decode_label_scores_gathers_query_labels_in_the_kernel(bits, q_heads, s
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("k,width", [(1, 2), (5, 5), (6, 9), (7, 14), (12, 24), (19, 23)])
-def test_with_successors_triton_matches_twin(k, width):
+@pytest.mark.parametrize("k,ties", [(1, False), (5, True), (9, False), (14, True), (19, False)])
+def test_with_successors_triton_matches_twin(k, ties):
     from hshare.kernels import with_successors_torch
     from hshare.kernels.successors_triton import with_successors_triton
 
-    generator = torch.Generator().manual_seed(k * 100 + width)
+    generator = torch.Generator().manual_seed(k * 100 + ties)
     rows, heads, n = 3, 4, 60
     window = torch.rand(rows, n, generator=generator) < 0.7
     window[:, -1] = True  # the last column selectable: its successor is past the end
     columns = torch.stack([torch.randperm(n, generator=generator)[:k] for _ in range(rows * heads)]).view(rows, heads, k)
     columns[0, 0, : k // 2] = -1  # NO_TOKEN entries
     columns[1, 1, 0] = n - 1
-    if k > 3:  # a run of adjacent columns: each successor but the last is taken
-        columns[2, 2, :4] = torch.tensor([20, 21, 22, 23])
-    columns, window = columns.to(DEVICE), window.to(DEVICE)
-    got = with_successors_triton(columns, window, width)
-    assert torch.equal(got, with_successors_torch(columns, window, width))
-    heads_view = columns[:, ::2]  # strided heads
-    assert torch.equal(with_successors_triton(heads_view, window, width), with_successors_torch(heads_view, window, width))
+    if k > 3:  # a run of adjacent columns (each successor but the last is given), the rest distinct from it
+        run, rest = torch.arange(20, 24), torch.randperm(n, generator=generator)
+        columns[2, 2] = torch.cat((run, rest[~torch.isin(rest, run)]))[:k]
+    scores = (torch.randint(-2, 3, (rows, heads, k), generator=generator).float() if ties
+              else torch.randn(rows, heads, k, generator=generator))
+    scores[0, 1, 0] = -0.0
+    columns, scores, window = columns.to(DEVICE), scores.to(DEVICE), window.to(DEVICE)
+    got = with_successors_triton(columns, scores, window)
+    assert torch.equal(got, with_successors_torch(columns, scores, window))
+    heads_view, scores_view = columns[:, ::2], scores[:, ::2].to(torch.bfloat16)  # strided heads, bf16 scores
+    assert torch.equal(with_successors_triton(heads_view, scores_view, window),
+                       with_successors_torch(heads_view, scores_view, window))

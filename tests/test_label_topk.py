@@ -16,6 +16,13 @@ from hshare.kernels.label_topk import (candidate_label_topk_torch, decode_label_
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def triton_or_skip() -> None:
+    """The Triton kernels run on the GPU, or on CPU under TRITON_INTERPRET=1; otherwise the test is skipped."""
+    pytest.importorskip("triton")
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+
+
 def label_cache(batch, sel_heads, n, r, bits, dtype=torch.float32, seed=0):
     """A random label cache ``[B, H_sel, n, .]`` (quantized as the cache stores it)."""
     generator = torch.Generator().manual_seed(seed)
@@ -54,9 +61,7 @@ def check_selection(got, scores, selectable, heavy, tol):
 
 def run_triton(*args, **kwargs):
     """The Triton entry point (interpreted on CPU); skipped where triton cannot run."""
-    pytest.importorskip("triton")
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    triton_or_skip()
     from hshare.kernels.label_topk_triton import label_topk_triton
 
     return label_topk_triton(*args, **kwargs)
@@ -121,9 +126,7 @@ def test_dispatch_sends_cuda_or_forced_calls_to_the_kernel(monkeypatch):
     fp64 labels; both keep the twin's set."""
     import hshare.kernels.label_topk_triton as module
 
-    pytest.importorskip("triton")
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    triton_or_skip()
     calls = []
     original = module.label_topk_triton
     monkeypatch.setattr(module, "label_topk_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -271,9 +274,7 @@ def test_candidate_twin_matches_brute_force(bits):
 
 @pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (8, torch.float16), (16, torch.bfloat16)])
 def test_candidate_triton_matches_twin(bits, dtype):
-    pytest.importorskip("triton")
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    triton_or_skip()
     from hshare.kernels.label_topk_triton import candidate_label_topk_triton
 
     query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(bits, dtype)
@@ -290,3 +291,56 @@ def test_candidate_triton_matches_twin(bits, dtype):
         check_candidates(got, candidates, scores, allowed, heavy, tol=1e-3)
         if DEVICE == "cpu":  # the interpreter's scores: the twin's very set
             assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+
+
+# --- successors: a selection's top columns walked with their successors ----------------------------
+
+
+def walk_case(bits, dtype=torch.float32):
+    """`candidate_case` with every candidate list inside the window (a selection's top columns are) and runs of
+    adjacent columns, so that successors are taken, given and refused."""
+    query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(bits, dtype, seed=7)
+    selectable = selectable.clone()
+    candidates = candidates.clone()
+    candidates[1, 0, :6] = torch.arange(30, 36, device=DEVICE)  # a run
+    candidates[1, 0, 6:] = torch.where(candidates[1, 0, 6:].ge(29) & candidates[1, 0, 6:].le(36), NO_TOKEN,
+                                       candidates[1, 0, 6:])
+    selectable[1, 30:37] = True
+    selectable[0, 119] = True
+    candidates[0, 0, 0] = 119  # the last column: no successor
+    candidates = torch.where(candidates >= 0, candidates, NO_TOKEN)
+    inside = selectable[:, None].expand(-1, 2, -1).gather(-1, candidates.clamp(min=0))
+    candidates = torch.where(inside, candidates, NO_TOKEN)
+    return query, channels, codes, scale, zero, rows, heads, candidates, selectable
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_candidate_walk_twin_is_the_brute_force_walk(bits):
+    from property_support import check_successor_walk
+
+    from hshare.kernels.label_topk import candidate_label_walk_torch
+
+    query, channels, codes, scale, zero, rows, heads, candidates, selectable = walk_case(bits)
+    got = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads)
+    labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
+    scores = brute_force_scores(labels, codes, scale, zero, bits, rows, heads).gather(-1, candidates.clamp(min=0))
+    check_successor_walk(candidates.cpu(), scores.cpu(), selectable.cpu(), got.cpu())
+    assert 35 in got[1, 0].tolist() and 36 in got[1, 0].tolist()  # the run's last successor
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (8, torch.float16), (16, torch.bfloat16)])
+def test_candidate_walk_triton_matches_twin(bits, dtype):
+    triton_or_skip()
+    from hshare.kernels.label_topk import candidate_label_walk_torch
+    from hshare.kernels.label_topk_triton import candidate_label_walk_triton
+
+    query, channels, codes, scale, zero, rows, heads, candidates, selectable = walk_case(bits, dtype)
+    got = candidate_label_walk_triton(query, channels, codes, scale, zero, bits, candidates, rows, heads, selectable)
+    want = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads)
+    assert torch.equal(got, want)  # the scores' rounding differs, their order here does not
+    shared = heads[:1, :1]  # one head list for every row (stride 0), and a candidate list of another width
+    got = candidate_label_walk_triton(query, channels, codes, scale, zero, bits, candidates[:, :1, :23], rows, shared,
+                                      selectable)
+    want = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates[:, :1, :23], selectable,
+                                      rows, shared)
+    assert torch.equal(got, want)

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 import property_support as ps  # registers and loads the hypothesis profile first
 
 import hshare
+from hshare.policy import policy_class
 from hshare.kernels import dequantize_labels, gather_attention_torch, label_scores, quantize_labels
 from hshare.prefix import build_layout, detect_shared_prefix
 from hshare.quest import pages_for
@@ -517,6 +518,8 @@ def test_sparse_decode_invariants_and_counters(scenario):
         assert spy.critical_calls > 0, "sparse steps ran but the critical indices were never built"
     if stats.selection_steps:
         assert spy.select_calls > 0
+        if config.sharing.successors and stats.score_computations:
+            assert spy.walk_calls > 0, "successors on, but no selection walked its columns"
 
 
 @st.composite
@@ -591,8 +594,14 @@ def test_static_shape_decode_equals_eager_decode(scenario):
         if static.static_decode.reason == "" and static.reserve:
             if static.config.policy.name == "quest":  # every reserved page slot
                 assert ours.scored_pages == ours.score_computations * pages_for(static.reserve, static.config.policy.page_size)
-            else:
-                assert ours.scored_tokens == ours.score_computations * static.reserve
+            else:  # every reserved slot, and (a policy scoring candidates alone) a scoring's C candidates and
+                # with successors its top C or heavy again, a refinement's C candidates
+                config = static.config
+                count, scores_candidates = config.candidate_count, policy_class(config.policy.name).scores_candidates
+                again = count + (count or config.budget.heavy) * config.sharing.successors if scores_candidates else 0
+                refined = count if scores_candidates else static.reserve
+                expected = ours.score_computations * (static.reserve + again) + ours.refinements * refined
+                assert ours.scored_tokens == expected
 
 
 def test_profiles_have_the_promised_sizes():

@@ -16,6 +16,7 @@ from hshare.selection import with_successors
 from hshare.selection import NO_TOKEN
 
 from conftest import greedy, left_pad, left_padded, tiny_llama
+from property_support import check_successor_walk
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12
 LENGTHS = [40, 27, 51]
@@ -101,45 +102,47 @@ def test_select_candidates_is_the_top_c_and_its_top_heavy(scoring):
 
 
 def test_with_successors_by_hand():
-    columns = torch.tensor([[[5, 2, 3, NO_TOKEN], [9, 0, 1, 8]]])
+    columns = torch.tensor([[[5, 2, 3, 9], [9, 0, 1, 8], [7, NO_TOKEN, 2, 9], [4, 1, NO_TOKEN, NO_TOKEN]]])
+    scores = torch.tensor([[[4.0, 3.0, 2.0, 1.0], [1.0, 4.0, 3.0, 2.0], [1.0, 5.0, 2.0, 3.0], [0.0, -0.0, 7.0, 7.0]]])
     window = torch.ones(1, 10, dtype=torch.bool)
     window[0, 6] = False
-    # row head 0: 2 -> 3 is a column already, 3 -> 4 kept, 5 -> 6 outside the window
-    # head 1: 0 -> 1 and 8 -> 9 are columns already, 1 -> 2 kept, 9 -> 10 past the last column
-    got = with_successors(columns, window, 8)
-    assert got.tolist() == [[[5, 2, 3, NO_TOKEN, NO_TOKEN, NO_TOKEN, 4, NO_TOKEN],  # in ascending column order
-                             [9, 0, 1, 8, NO_TOKEN, 2, NO_TOKEN, NO_TOKEN]]]
-    # width 5: the successor of the smallest column only (head 0: NO_TOKEN's, none; head 1: 0's, a column)
-    assert with_successors(columns, window, 5).tolist() == [[[5, 2, 3, NO_TOKEN, NO_TOKEN], [9, 0, 1, 8, NO_TOKEN]]]
-    assert with_successors(columns, window, 6).tolist() == [[[5, 2, 3, NO_TOKEN, NO_TOKEN, NO_TOKEN],
-                                                             [9, 0, 1, 8, NO_TOKEN, 2]]]
-    assert with_successors(columns, window, 4).tolist() == columns.tolist()
+    got = with_successors(columns, scores, window)
+    assert got.tolist() == [[
+        [5, 2, 3, 4],  # 5 (its successor 6 outside the window), 2 and 3, then 3 is taken: its successor 4
+        [0, 1, 2, 8],  # 0 and 1, then 1 is taken: 2; 8 fills the last slot without its successor 9
+        [9, 2, 3, 7],  # NO_TOKEN never ranks: 9 (10 is past the last column), 2 and 3, then 7
+        [1, 2, 4, 5],  # a tie (0.0 and -0.0): the smaller column first
+    ]]
+    fewer = torch.tensor([[[NO_TOKEN, NO_TOKEN, 3]]])
+    assert with_successors(fewer, torch.zeros(1, 1, 3), window).tolist() == [[[3, 4, NO_TOKEN]]]
 
 
-def test_with_successors_is_the_brute_force_union():
+def test_with_successors_is_the_brute_force_walk():
     generator = torch.Generator().manual_seed(11)
-    for _ in range(20):
-        n, k = int(torch.randint(4, 40, (1,), generator=generator)), int(torch.randint(1, 4, (1,), generator=generator))
+    for draw in range(30):
+        n, k = int(torch.randint(4, 40, (1,), generator=generator)), int(torch.randint(1, 5, (1,), generator=generator))
         k = min(k * 3, n)
         columns = torch.stack([torch.randperm(n, generator=generator)[:k] for _ in range(6)]).reshape(2, 3, k)
         columns[columns % 5 == 4] = NO_TOKEN  # holes
+        if draw % 3 == 0:  # a run of adjacent columns, the rest distinct from it
+            run = torch.arange(n // 2 - 2, n // 2 - 2 + min(k, 4))
+            rest = torch.randperm(n, generator=generator)
+            columns[0, 0] = torch.cat((run, rest[~torch.isin(rest, run)]))[:k]
+        scores = (torch.randint(-2, 3, (2, 3, k), generator=generator).float() if draw % 2  # ties
+                  else torch.randn(2, 3, k, generator=generator))
         window = torch.rand(2, n, generator=generator) > 0.3
-        width = int(torch.randint(k, 2 * k + 1, (1,), generator=generator))
-        got = with_successors(columns, window, width)
-        assert got.shape == (2, 3, width)
-        for b in range(2):
-            for h in range(3):
-                own = sorted(int(c) for c in columns[b, h])  # NO_TOKEN first
-                followers = [c + 1 if c >= 0 and c + 1 < n and window[b, c + 1] and c + 1 not in own else NO_TOKEN
-                             for c in own]
-                assert got[b, h, :k].tolist() == columns[b, h].tolist()
-                assert got[b, h, k:].tolist() == followers[:width - k]
+        check_successor_walk(columns, scores, window, with_successors(columns, scores, window))
 
 
 def _with_successors_brute_force(ranked: list[int], count: int, window: torch.Tensor) -> set[int]:
-    """The top ceil(C / 2) of `ranked` and the successors in `window` of the smallest floor(C / 2) of them."""
-    top = ranked[:count - count // 2]
-    return set(top) | {c + 1 for c in sorted(top)[:count // 2] if c + 1 < len(window) and window[c + 1]}
+    """The top `count` of `ranked` walked in order: each column unless kept, then its successor in `window` unless
+    kept, until `count` are kept."""
+    kept: list[int] = []
+    for c in ranked[:count]:
+        for column in (c, c + 1):
+            if len(kept) < count and column not in kept and (column == c or (column < len(window) and window[column])):
+                kept.append(column)
+    return set(kept)
 
 
 @pytest.mark.parametrize("scoring", ["all", "candidates"])
@@ -301,9 +304,9 @@ def test_every_reusing_layer_head_and_step_refines_with_its_own_query(monkeypatc
                                            ("ds", "off")])
 def test_successors_without_refinement(monkeypatch, preset, prefix):
     """Brute force, per decode forward, with successors and no candidate set: a source (layer, head) at a
-    selection step keeps the top ceil(heavy / 2) of its full label scores in the window and the successor of
-    each; a copying head holds its source head's columns, a copying layer its source layer's, a reuse step the
-    columns of the step before."""
+    selection step walks the top `heavy` of its full label scores in the window, keeping each with its
+    successor until `heavy` are kept; a copying head holds its source head's columns, a copying layer its
+    source layer's, a reuse step the columns of the step before."""
     model = tiny_llama(kv_heads=2, layers=4, heads=4)
     ids, mask = _prompts(prefix)
     seen = _record(monkeypatch)
@@ -419,6 +422,24 @@ def test_counters_count_the_candidate_rows_scored(preset):
     # a scoring scores every cached column as before, then its C = 12 candidates again to pick its heavy among
     # them (the label policy scores candidates alone); a refinement its C = 12 candidates
     assert refined.scored_tokens == plain.scored_tokens + 12 * (refined.refinements + refined.score_computations)
+
+
+def test_counters_count_the_rows_successors_rank():
+    """With successors a selecting head ranks its top `heavy` (or with refinement its C candidates) by scoring
+    them again: `heavy` (C) more label rows a scoring."""
+    model = tiny_llama(kv_heads=2, layers=4, heads=4)
+    ids, mask = left_padded(LENGTHS, torch.Generator().manual_seed(2))
+    stats = {}
+    for candidates, successors in ((1, False), (1, True), (2, False), (2, True)):
+        with hshare.patched(model, "hshare-1_2-1_2-1_2", candidates=candidates, successors=successors,
+                            dense_fallback_mib=0, **SMALL):
+            cache = hshare.new_cache(model)
+            greedy(model, ids, mask, new_tokens=NEW, past_key_values=cache)
+            stats[candidates, successors] = cache.stats
+    for candidates, again in ((1, SMALL["heavy"]), (2, 12)):
+        plain, walked = stats[candidates, False], stats[candidates, True]
+        assert walked.score_computations == plain.score_computations > 0
+        assert walked.scored_tokens == plain.scored_tokens + again * walked.score_computations
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(plan_scope="sample"), dict(query_sharing="1/4", group_lookahead=True),
