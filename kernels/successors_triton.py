@@ -8,7 +8,8 @@ key packed so that one ascending sort orders it:
 2. column order, carrying each entry's rank: whether a column's neighbours are given and ranked before it
    (read with `tl.gather` from the next and previous sorted entries), so whether the column and its
    successor would add a slot;
-3. rank order again, carrying those two flags: a cumulative sum gives each ranked column its first slot.
+3. rank order again, carrying those two flags (an int32 key): a cumulative sum gives each ranked column its
+   first slot.
 
 The walk's slots are contiguous from 0: the taken columns are written there, ``NO_TOKEN`` after them.
 """
@@ -49,9 +50,9 @@ def _walk(out, columns, key, given, window_row, n, K, K_P: tl.constexpr):
     inside = tl.load(window_row + tl.where(inside, successor, 0), mask=inside, other=0) != 0
     follows = inside & ~((i + 1 < K_P) & ((following >> 16) == successor) & ((following & 0xFFFF) < rank))
     # 3. rank order with the flags
-    flags = tl.sort((rank << 2) | (own.to(tl.int64) << 1) | follows.to(tl.int64))
-    own_r = ((flags >> 1) & 1).to(tl.int32)
-    follows_r = (flags & 1).to(tl.int32)
+    flags = tl.sort((rank.to(tl.int32) << 2) | (own.to(tl.int32) << 1) | follows.to(tl.int32))
+    own_r = (flags >> 1) & 1
+    follows_r = flags & 1
     cost = own_r + follows_r
     start = tl.cumsum(cost, 0) - cost
     total = tl.sum(cost, 0)
