@@ -199,8 +199,10 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
     if rows is None or len(rows):
         middle, source_heads, head_slot, _ = _source_rows(share, step.windows.selectable)
         heads = None if share.all_heads else source_heads
-        select = layer.policy.decode_heavy_successors if config.sharing.successors else layer.policy.decode_heavy
-        chosen = select(query[:, :, 0], middle, config.budget.heavy, rows=rows, heads=heads)
+        if config.sharing.successors:
+            chosen, _ = layer.policy.decode_heavy_successors(query[:, :, 0], middle, config.budget.heavy, rows, heads)
+        else:
+            chosen = layer.policy.decode_heavy(query[:, :, 0], middle, config.budget.heavy, rows, heads)
         if not share.all_heads:
             chosen = per_head(chosen, head_slot)
         heavy = _in_batch(chosen, rows, query.shape[0])

@@ -199,9 +199,11 @@ class LabelCache(SelectionPolicy):
                                  self.bits, heavy, selectable=selectable, rows=rows, heads=heads)
 
     def decode_heavy_successors(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int,
-                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
-        """The fused top-k (`decode_heavy`), then the top columns' label scores and their walk with successors in
-        one operation (`kernels.candidate_label_walk`; CUDA: one launch, their ``heavy`` label rows read)."""
+                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused top-k (`decode_heavy`), then the top columns' label scores, their walk with successors and
+        their rank order in one operation (`kernels.candidate_label_walk`; CUDA: one launch, their ``heavy``
+        label rows read)."""
         top = self.decode_heavy(query, selectable, heavy, rows, heads)
         return candidate_label_walk(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
                                     self.bits, top, selectable, rows, heads)

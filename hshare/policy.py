@@ -155,16 +155,17 @@ class SelectionPolicy(ABC):
         return select_heavy(self.decode_scores(query, rows, heads), selectable[:, None], heavy)
 
     def decode_heavy_successors(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int,
-                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
-        """`decode_heavy` with successors (`SharingConfig.successors`): the `heavy` best columns walked in rank
-        order, each taken with the column after it, until `heavy` are taken (`kernels.with_successors`).
-        Ranking the top `heavy` scores them again (`candidate_scores`: `heavy` units) where the policy scores
-        candidates alone; otherwise one score tensor serves both."""
+                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode_heavy` with successors (`SharingConfig.successors`): ``(taken, ranked)``, ``[B', H', heavy]``
+        each, the `heavy` best columns walked in rank order, each taken with the column after it, until `heavy`
+        are taken, and those best columns in rank order (`kernels.with_successors`). Ranking them scores them
+        again (`candidate_scores`: `heavy` units) where the policy scores candidates alone; otherwise one score
+        tensor serves both."""
         if self.scores_candidates:
             top = self.decode_heavy(query, selectable, heavy, rows, heads)
             return with_successors(top, self.candidate_scores(query, top, rows, heads), selectable)
-        scores = self.decode_scores(query, rows, heads)
-        return ranked_with_successors(scores, selectable, heavy)
+        return ranked_with_successors(self.decode_scores(query, rows, heads), selectable, heavy)
 
     def candidate_scores(self, query: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | None = None,
                          heads: torch.Tensor | None = None) -> torch.Tensor:
@@ -313,9 +314,10 @@ def top_candidates(scores: torch.Tensor, candidates: torch.Tensor, allowed: torc
     return torch.where(position >= 0, candidates.gather(-1, position.clamp(min=0)), torch.full_like(position, NO_TOKEN))
 
 
-def ranked_with_successors(scores: torch.Tensor, selectable: torch.Tensor, heavy: int) -> torch.Tensor:
-    """The top `heavy` of scores ``[B', H', n]`` in the window ``[B', n]`` (bool), walked with their successors
-    (`kernels.with_successors`): ``[B', H', heavy]``."""
+def ranked_with_successors(scores: torch.Tensor, selectable: torch.Tensor, heavy: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top `heavy` of scores ``[B', H', n]`` in the window ``[B', n]`` (bool), walked with their successors,
+    and ranked (`kernels.with_successors`): ``[B', H', heavy]`` each."""
     top = select_heavy(scores, selectable[:, None], heavy)
     return with_successors(top, scores.gather(-1, top.clamp(min=0)), selectable)
 

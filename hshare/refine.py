@@ -9,7 +9,8 @@ and its top `heavy` of them as its heavy columns. The heads, layers and steps th
 each reusing query.
 
 With `SharingConfig.successors` the C candidates are the top C columns walked in rank order, each kept
-with its successor, until C are kept (`hshare.selection.with_successors`).
+with its successor, until C are kept (`hshare.selection.with_successors`), and a selecting head's heavy
+columns are its top `heavy` (the first of that rank order).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         heads: ``[P, n_src]`` the source heads (None = every selection head selects, and the rest is None);
         head_slot: ``[P, H_sel]`` each head's slot among them; copy_heads: ``[P, H_sel - n_src]`` the heads
             that copy (P = 1 for a batch plan, else B').
-        successors: the C candidates are the top C walked with their successors (`with_successors`).
+        successors: the C candidates are the top C walked with their successors, and a source head's heavy
+            columns its top `heavy` (`with_successors`: its ranking of the top C, without scoring them again).
 
     Returns:
         ``(heavy, candidates)``: ``[B', H, heavy]`` and ``[B', H, C]`` int64 columns (H = n_src without
@@ -43,20 +45,24 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         alone (`SelectionPolicy.scores_candidates`) selects the C (`SelectionPolicy.decode_heavy`) and every
         head its heavy among its source's C (`SelectionPolicy.candidate_heavy`, one pass over every head: a
         source head's C rows scored again), so no ``[B', H', n]`` score tensor is needed; another selects a
-        source head's C and heavy from one score tensor, and its copying heads refine.
+        source head's C and heavy from one score tensor, and its copying heads refine. With successors a source
+        head's C are scored once more, to rank and walk them, and its copying heads refine.
     """
-    if policy.scores_candidates:
-        select = policy.decode_heavy_successors if successors else policy.decode_heavy
-        candidates = select(query, window, count, rows, heads)
-    else:
-        scores = policy.decode_scores(query, rows, heads)
-        candidates = (ranked_with_successors(scores, window, count) if successors
-                      else select_heavy(scores, window[:, None], count))
-    if policy.scores_candidates:
+    if successors:  # a source head's heavy columns are its top `heavy`, ranked by the walk
+        if policy.scores_candidates:
+            candidates, ranked = policy.decode_heavy_successors(query, window, count, rows, heads)
+        else:
+            candidates, ranked = ranked_with_successors(policy.decode_scores(query, rows, heads), window, count)
+        chosen = ranked[..., :heavy]
+    elif policy.scores_candidates:
+        candidates = policy.decode_heavy(query, window, count, rows, heads)
         if head_slot is not None:
             candidates, heads = per_head(candidates, head_slot), None
         return policy.candidate_heavy(query, candidates, window, heavy, rows, heads), candidates
-    chosen = top_candidates(scores.gather(-1, candidates.clamp(min=0)), candidates, candidates >= 0, heavy)
+    else:
+        scores = policy.decode_scores(query, rows, heads)
+        candidates = select_heavy(scores, window[:, None], count)
+        chosen = top_candidates(scores.gather(-1, candidates.clamp(min=0)), candidates, candidates >= 0, heavy)
     if head_slot is None:
         return chosen, candidates
     candidates, chosen = per_head(candidates, head_slot), per_head(chosen, head_slot)

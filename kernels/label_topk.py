@@ -142,8 +142,9 @@ def candidate_label_topk_torch(query: torch.Tensor, channels: torch.Tensor, code
 
 def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                          zero: torch.Tensor | None, bits: int, candidates: torch.Tensor, selectable: torch.Tensor,
-                         rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
-    """A selection's top columns walked with their successors by the decode query's label scores
+                         rows: torch.Tensor | None = None, heads: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A selection's top columns walked with their successors, and ranked, by the decode query's label scores
     (`SharingConfig.successors`).
 
     Args:
@@ -154,7 +155,8 @@ def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: tor
             and a successor must lie in it.
 
     Returns:
-        ``[A, H', C]`` int64: `successors.with_successors` of the candidates and their label scores. Only the
+        ``(taken, ranked)``, ``[A, H', C]`` int64 each: `successors.with_successors` of the allowed candidates
+        and their label scores. Only the
         candidates' label rows are read (CUDA: one Triton launch, `label_topk_triton.candidate_label_walk_triton`,
         up to its ``MAX_CANDIDATES``).
     """
@@ -171,7 +173,7 @@ def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: tor
 def candidate_label_walk_torch(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
                                scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
                                candidates: torch.Tensor, selectable: torch.Tensor, rows: torch.Tensor | None = None,
-                               heads: torch.Tensor | None = None) -> torch.Tensor:
+                               heads: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of `candidate_label_walk` (same contract): the candidates' scores (`labels.candidate_label_scores`),
     then `successors.with_successors_torch` of the allowed ones."""
     scores = candidate_label_scores(query, channels, codes, scale, zero, bits, candidates, rows, heads)

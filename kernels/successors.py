@@ -14,8 +14,10 @@ from .critical_indices import NO_TOKEN
 from .dispatch import use_triton
 
 
-def with_successors(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-    """The columns walked with their successors (contract: `with_successors_torch`); Triton for CUDA tensors."""
+def with_successors(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The columns walked with their successors, and ranked (contract: `with_successors_torch`); Triton for CUDA
+    tensors."""
     if use_triton(columns):
         from .successors_triton import with_successors_triton
 
@@ -23,7 +25,8 @@ def with_successors(columns: torch.Tensor, scores: torch.Tensor, window: torch.T
     return with_successors_torch(columns, scores, window)
 
 
-def with_successors_torch(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+def with_successors_torch(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """A selection's top columns walked in rank order, each taken with its successor, until k are taken.
 
     The walk: in rank order (score descending, then the smaller column first; ``NO_TOKEN`` entries last and
@@ -41,8 +44,9 @@ def with_successors_torch(columns: torch.Tensor, scores: torch.Tensor, window: t
         window: ``[B', n]`` bool, the selectable columns of each row.
 
     Returns:
-        ``[B', H, k]`` int64: the columns taken, in the order taken (``NO_TOKEN`` in slots left when fewer
-        than k columns were given).
+        ``(taken, ranked)``, ``[B', H, k]`` int64 each: the columns taken, in the order taken (``NO_TOKEN`` in
+        slots left when fewer than k columns were given), and the given columns in rank order (``NO_TOKEN``
+        last): a selection's own top columns, as many as it wants, without ranking them again.
     """
     rows, heads, k = columns.shape
     n = window.shape[-1]
@@ -81,4 +85,4 @@ def with_successors_torch(columns: torch.Tensor, scores: torch.Tensor, window: t
     out.scatter_(-1, own_slot, ranked)
     follow_slot = start + own.long()
     out.scatter_(-1, torch.where(follows & (follow_slot < k), follow_slot, k), ranked + 1)
-    return out[..., :k]
+    return out[..., :k], ranked

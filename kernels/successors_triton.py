@@ -11,7 +11,8 @@ key packed so that one ascending sort orders it:
 3. rank order again, carrying those two flags (an int32 key): a cumulative sum gives each ranked column its
    first slot.
 
-The walk's slots are contiguous from 0: the taken columns are written there, ``NO_TOKEN`` after them.
+The walk's slots are contiguous from 0: the taken columns are written there, ``NO_TOKEN`` after them; the
+ranked columns (1.) are written too.
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ RANK_BITS = 16  # k < 2**16
 
 
 @triton.jit
-def _walk(out, columns, key, given, window_row, n, K, K_P: tl.constexpr):
-    """Write the walk of one (row, head) at ``out[0:K)``: columns ``[K_P]`` int64 with their order-preserving
-    int32 score keys, `given` where an entry takes part; `window_row` the row's selectable columns (nonzero)."""
+def _walk(out, ranked_out, columns, key, given, window_row, n, K, K_P: tl.constexpr):
+    """Write the walk of one (row, head) at ``out[0:K)`` and the given columns in rank order at
+    ``ranked_out[0:K)``: columns ``[K_P]`` int64 with their order-preserving int32 score keys, `given` where an
+    entry takes part; `window_row` the row's selectable columns (nonzero)."""
     i = tl.arange(0, K_P)
     column_field = tl.where(given, columns, (1 << 24) - 1)
     # 1. rank order: given first, score descending, column ascending
     descending = 0x7FFFFFFF - key.to(tl.int64)  # in [0, 2**32)
     ranked = tl.sort((tl.where(given, 0, 1).to(tl.int64) << 56) | (descending << 24) | column_field)
     ranked_column = ranked & ((1 << 24) - 1)
+    tl.store(ranked_out + i, tl.where(ranked < (1 << 56), ranked_column, -1), mask=i < K)
     # 2. column order with ranks (rank = position in 1.): neighbours ranked before
     by_column = tl.sort((ranked_column << 16) | i)
     column = by_column >> 16
@@ -63,7 +66,7 @@ def _walk(out, columns, key, given, window_row, n, K, K_P: tl.constexpr):
 
 @triton.jit
 def _with_successors(
-    columns_ptr, scores_ptr, window_ptr, out_ptr, n, s_cb, s_ch, s_sb, s_sh, s_wb, s_ob, s_oh,
+    columns_ptr, scores_ptr, window_ptr, out_ptr, ranked_ptr, n, s_cb, s_ch, s_sb, s_sh, s_wb, s_ob, s_oh,
     HEADS: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -74,18 +77,21 @@ def _with_successors(
     score = tl.load(scores_ptr + row * s_sb + head * s_sh + i, mask=i < K, other=0.0).to(tl.float32)
     bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving int32 of the float
-    _walk(out_ptr + row * s_ob + head * s_oh, columns, key, columns >= 0, window_ptr + row * s_wb, n, K, K_P)
+    _walk(out_ptr + row * s_ob + head * s_oh, ranked_ptr + row * s_ob + head * s_oh, columns, key, columns >= 0,
+          window_ptr + row * s_wb, n, K, K_P)
 
 
-def with_successors_triton(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+def with_successors_triton(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `successors.with_successors_torch`."""
     batch, heads, k = columns.shape
     if window.shape[-1] >= (1 << COLUMN_BITS) - 1 or k >= 1 << RANK_BITS:
         raise ValueError(f"with_successors_triton: {window.shape[-1]} columns and k = {k} are invalid; accepted: "
                          f"fewer than {(1 << COLUMN_BITS) - 1} columns and k < {1 << RANK_BITS}")
     out = torch.empty(batch, heads, k, dtype=columns.dtype, device=columns.device)
+    ranked = torch.empty_like(out)
     if batch * heads == 0 or k == 0:
-        return out
+        return out, ranked
     if columns.stride(-1) != 1:
         columns = columns.contiguous()
     if scores.stride(-1) != 1:
@@ -93,8 +99,8 @@ def with_successors_triton(columns: torch.Tensor, scores: torch.Tensor, window: 
     if window.stride(-1) != 1:
         window = window.contiguous()
     _with_successors[(batch * heads,)](
-        columns, scores, window, out, window.shape[-1], columns.stride(0), columns.stride(1), scores.stride(0),
+        columns, scores, window, out, ranked, window.shape[-1], columns.stride(0), columns.stride(1), scores.stride(0),
         scores.stride(1), window.stride(0), out.stride(0), out.stride(1),
         HEADS=heads, K=k, K_P=triton.next_power_of_2(max(k, 2)),
     )
-    return out
+    return out, ranked

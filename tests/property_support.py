@@ -420,14 +420,17 @@ def check_top_k(scores: torch.Tensor, middle: torch.Tensor, k: int, out: torch.T
     assert bool((lowest_chosen >= best_left).all()), "a better-scored middle column was left out"
 
 
-def check_successor_walk(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor, out: torch.Tensor) -> None:
+def check_successor_walk(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor,
+                         out: tuple[torch.Tensor, torch.Tensor]) -> None:
     """`with_successors` contract, walked one column at a time: in rank order (score descending, the smaller
     column first among ties), each column unless taken, then its successor in the window unless taken, until
-    k are taken; the taken columns in that order, NO_TOKEN after them."""
+    k are taken; the taken columns in that order, NO_TOKEN after them; and the given columns in rank order."""
     n, k = window.shape[-1], columns.shape[-1]
+    out, ranked = out
     for b in range(columns.shape[0]):
         for h in range(columns.shape[1]):
             given = sorted((-float(s), int(c)) for c, s in zip(columns[b, h], scores[b, h].float()) if c >= 0)
+            assert ranked[b, h].tolist() == [c for _, c in given] + [-1] * (k - len(given)), "rank order differs"
             taken: list[int] = []
             for _, c in given:
                 for column in (c, c + 1):
@@ -512,7 +515,7 @@ class SelectionSpy:
             out = original_walk(columns, scores, window)
             assert spy.successors, "successors walked without SharingConfig.successors"
             spy.walk_calls += 1
-            check_successor_walk(columns.cpu(), scores.cpu(), window.cpu(), out.cpu())
+            check_successor_walk(columns.cpu(), scores.cpu(), window.cpu(), (out[0].cpu(), out[1].cpu()))
             return out
 
         import hshare.labels as labels
@@ -525,7 +528,7 @@ class SelectionSpy:
             assert spy.successors, "successors walked without SharingConfig.successors"
             spy.walk_calls += 1
             scores = candidate_label_scores(query, channels, codes, scale, zero, bits, candidates, rows, heads)
-            check_successor_walk(candidates.cpu(), scores.cpu(), selectable.cpu(), out.cpu())
+            check_successor_walk(candidates.cpu(), scores.cpu(), selectable.cpu(), (out[0].cpu(), out[1].cpu()))
             return out
 
         self._stack.enter_context(mock.patch.object(policy, "with_successors", walk))
@@ -652,10 +655,10 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
         counts["refinements"] += refinements
         if config.policy.name == "quest":  # refinements score every page (no candidate-only scores)
             counts["scored_pages"] += (scorings + refinements) * pages_for(own_width + s, config.policy.page_size)
-        else:  # a scoring scores every column, then (with candidates) its C candidates again, then (with
+        else:  # a scoring scores every column, then (with candidates) its C candidates again, or (with
             # successors, a policy scoring candidates alone) its top C or heavy again to rank them
-            again = candidates + (candidates or config.budget.heavy) * (
-                config.sharing.successors and config.policy.name == "labels")
+            again = (candidates or config.budget.heavy) if config.sharing.successors and config.policy.name == "labels" \
+                else candidates
             counts["scored_tokens"] += scorings * (own_width + s + again) + refinements * candidates
     if n_sparse and steps and config.sharing.shares_layers_or_heads:
         counts["plans"] = 1

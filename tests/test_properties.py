@@ -594,11 +594,12 @@ def test_static_shape_decode_equals_eager_decode(scenario):
         if static.static_decode.reason == "" and static.reserve:
             if static.config.policy.name == "quest":  # every reserved page slot
                 assert ours.scored_pages == ours.score_computations * pages_for(static.reserve, static.config.policy.page_size)
-            else:  # every reserved slot, and (a policy scoring candidates alone) a scoring's C candidates and
+            else:  # every reserved slot, and (a policy scoring candidates alone) a scoring's C candidates or
                 # with successors its top C or heavy again, a refinement's C candidates
                 config = static.config
                 count, scores_candidates = config.candidate_count, policy_class(config.policy.name).scores_candidates
-                again = count + (count or config.budget.heavy) * config.sharing.successors if scores_candidates else 0
+                again = ((count or config.budget.heavy) if config.sharing.successors else count) \
+                    if scores_candidates else 0
                 refined = count if scores_candidates else static.reserve
                 expected = ours.score_computations * (static.reserve + again) + ours.refinements * refined
                 assert ours.scored_tokens == expected
