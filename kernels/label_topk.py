@@ -41,6 +41,8 @@ them in rank order with their successors (`successors.with_successors`). CUDA: o
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .critical_indices import NO_TOKEN
@@ -112,15 +114,15 @@ def candidate_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: tor
         ``[A, H', heavy]`` int64: the columns of the ``min(heavy, allowed)`` best-scored allowed candidates
         (in a selectable column, finite score) in candidate order, then ``NO_TOKEN``; among equal scores at
         the heavy-th the earlier candidates are chosen. Only the candidates' label rows are read (CUDA: one
-        Triton launch, `label_topk_triton.candidate_label_topk_triton`, up to its ``MAX_CANDIDATES``).
+        Triton launch, `label_topk_triton.candidate_label_topk_triton`, up to its ``MAX_CANDIDATES``; wider: the
+        twin, with a RuntimeWarning).
     """
-    if _runs_triton(query, codes, bits, heavy, channels.shape[-1]):
-        from .label_topk_triton import MAX_CANDIDATES, candidate_label_topk_triton
+    if _runs_triton(query, codes, bits, heavy, channels.shape[-1]) and _candidates_fit(candidates.shape[-1]):
+        from .label_topk_triton import candidate_label_topk_triton
 
-        if candidates.shape[-1] <= MAX_CANDIDATES:
-            rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
-            return candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, rows,
-                                               heads, selectable)
+        rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
+        return candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads,
+                                           selectable)
     return candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, selectable,
                                       rows, heads)
 
@@ -156,17 +158,17 @@ def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: tor
 
     Returns:
         ``(taken, ranked)``, ``[A, H', C]`` int64 each: `successors.with_successors` of the allowed candidates
-        and their label scores. Only the
-        candidates' label rows are read (CUDA: one Triton launch, `label_topk_triton.candidate_label_walk_triton`,
-        up to its ``MAX_CANDIDATES``).
+        and their label scores. Only the candidates' label rows are read (CUDA: one Triton launch,
+        `label_topk_triton.candidate_label_walk_triton`, up to its ``MAX_CANDIDATES``; wider: the twin, with a
+        RuntimeWarning).
     """
-    if _runs_triton(query, codes, bits, candidates.shape[-1], channels.shape[-1]):
-        from .label_topk_triton import MAX_CANDIDATES, candidate_label_walk_triton
+    width = candidates.shape[-1]
+    if _runs_triton(query, codes, bits, width, channels.shape[-1]) and _candidates_fit(width):
+        from .label_topk_triton import candidate_label_walk_triton
 
-        if candidates.shape[-1] <= MAX_CANDIDATES:
-            rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
-            return candidate_label_walk_triton(query, channels, codes, scale, zero, bits, candidates, rows, heads,
-                                               selectable)
+        rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
+        return candidate_label_walk_triton(query, channels, codes, scale, zero, bits, candidates, rows, heads,
+                                           selectable)
     return candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads)
 
 
@@ -260,6 +262,19 @@ def _runs_triton(tensor: torch.Tensor, codes: torch.Tensor, bits: int, heavy: in
     channel count at 4 bits, codes contiguous per token, a nonempty cache and heavy budget."""
     return (use_triton(tensor) and tensor.dtype != torch.float64 and bits in (4, 8, 16) and heavy > 0
             and codes.shape[2] > 0 and codes.stride(-1) == 1 and (bits != 4 or channels % 2 == 0))
+
+
+def _candidates_fit(width: int) -> bool:
+    """Whether `width` candidates per (row, head) fit the Triton candidate kernels (their register tile,
+    ``MAX_CANDIDATES``); a wider set goes to the torch twin, slower, and says so (a RuntimeWarning)."""
+    from .label_topk_triton import MAX_CANDIDATES
+
+    if width <= MAX_CANDIDATES:
+        return True
+    warnings.warn(f"{width} candidates per (row, head) exceed the {MAX_CANDIDATES} the Triton candidate kernels "
+                  "hold: the torch twin scores them, slower (accepted on the kernels: sharing.candidates x heavy "
+                  f"<= {MAX_CANDIDATES})", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def _index_defaults(rows: torch.Tensor | None, heads: torch.Tensor | None, count: int, n_heads: int,

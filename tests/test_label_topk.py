@@ -345,3 +345,28 @@ def test_candidate_walk_triton_matches_twin(bits, dtype):
     want = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates[:, :1, :23], selectable,
                                       rows, shared)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_wide_candidate_sets_go_to_the_twin_with_a_warning(monkeypatch):
+    """Candidate sets wider than the Triton kernels' register tile are scored by the twin, never silently."""
+    pytest.importorskip("triton")
+    import importlib
+
+    from hshare.kernels.label_topk import candidate_label_walk, candidate_label_walk_torch
+    from hshare.kernels.label_topk_triton import MAX_CANDIDATES
+
+    generator = torch.Generator().manual_seed(3)
+    n, width = MAX_CANDIDATES + 8, MAX_CANDIDATES + 4
+    codes, scale, zero = label_cache(1, 1, n, 8, 8)
+    query = torch.randn(1, 1, 16, generator=generator).to(DEVICE)
+    channels = torch.randperm(16, generator=generator)[:8].view(1, 1, 8).to(DEVICE)
+    candidates = torch.randperm(n, generator=generator)[:width].view(1, 1, width).to(DEVICE)
+    selectable = torch.ones(1, n, dtype=torch.bool, device=DEVICE)
+    module = importlib.import_module("hshare.kernels.label_topk")
+    monkeypatch.setattr(module, "use_triton", lambda tensor: True)  # as on CUDA
+    with pytest.warns(RuntimeWarning, match=f"{width} candidates .* exceed the {MAX_CANDIDATES}"):
+        got = candidate_label_walk(query, channels, codes, scale, zero, 8, candidates, selectable)
+    want = candidate_label_walk_torch(query, channels, codes, scale, zero, 8, candidates, selectable)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    with pytest.warns(RuntimeWarning, match="exceed"):
+        module.candidate_label_topk(query, channels, codes, scale, zero, 8, 5, candidates, selectable)
