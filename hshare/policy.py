@@ -165,7 +165,9 @@ class SelectionPolicy(ABC):
         if self.scores_candidates:
             top = self.decode_heavy(query, selectable, heavy, rows, heads)
             return with_successors(top, self.candidate_scores(query, top, rows, heads), selectable)
-        return ranked_with_successors(self.decode_scores(query, rows, heads), selectable, heavy)
+        scores = self.decode_scores(query, rows, heads)
+        top = select_heavy(scores, selectable[:, None], heavy)
+        return with_successors(top, scores.gather(-1, top.clamp(min=0)), selectable)
 
     def candidate_scores(self, query: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | None = None,
                          heads: torch.Tensor | None = None) -> torch.Tensor:
@@ -312,14 +314,6 @@ def top_candidates(scores: torch.Tensor, candidates: torch.Tensor, allowed: torc
     ``[..., C]``), ``NO_TOKEN`` where fewer are allowed (`kernels.select_heavy` over candidate positions)."""
     position = select_heavy(scores, allowed, heavy)
     return torch.where(position >= 0, candidates.gather(-1, position.clamp(min=0)), torch.full_like(position, NO_TOKEN))
-
-
-def ranked_with_successors(scores: torch.Tensor, selectable: torch.Tensor, heavy: int
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top `heavy` of scores ``[B', H', n]`` in the window ``[B', n]`` (bool), walked with their successors,
-    and ranked (`kernels.with_successors`): ``[B', H', heavy]`` each."""
-    top = select_heavy(scores, selectable[:, None], heavy)
-    return with_successors(top, scores.gather(-1, top.clamp(min=0)), selectable)
 
 
 def _columns(columns: int) -> int:

@@ -124,7 +124,7 @@ def record_evidence(cache: HShareCache, planner: StepPlanner, layer_idx: int, qu
     row_valid = valid[:, None, :] & causal[None] & valid[:, kv_len - rows:, None]  # [B, W, n]
     middle = prefill_middle_windows(row_valid, config.budget.sink, config.budget.local)
     scores = layer.policy.prefill_scores(query)  # [B, H_sel, W, n]
-    # with successors too: the plan pairs heads and layers that rank alike (eval/RESULTS.md, the demo)
+    # the top `heavy` with successors too: the plan pairs heads and layers by what they rank
     keep = select_heavy(scores, middle[:, None], config.budget.heavy)
     if config.sharing.head < 1:
         planner.head_similarity[layer_idx] = head_similarity(keep, kv_len)

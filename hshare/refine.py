@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from hshare.policy import SelectionPolicy, ranked_with_successors, top_candidates
+from hshare.policy import SelectionPolicy, top_candidates
 from hshare.selection import per_head, select_heavy
 
 
@@ -49,10 +49,7 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         head's C are scored once more, to rank and walk them, and its copying heads refine.
     """
     if successors:  # a source head's heavy columns are its top `heavy`, ranked by the walk
-        if policy.scores_candidates:
-            candidates, ranked = policy.decode_heavy_successors(query, window, count, rows, heads)
-        else:
-            candidates, ranked = ranked_with_successors(policy.decode_scores(query, rows, heads), window, count)
+        candidates, ranked = policy.decode_heavy_successors(query, window, count, rows, heads)
         chosen = ranked[..., :heavy]
     elif policy.scores_candidates:
         candidates = policy.decode_heavy(query, window, count, rows, heads)

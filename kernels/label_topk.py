@@ -134,10 +134,7 @@ def candidate_label_topk_torch(query: torch.Tensor, channels: torch.Tensor, code
     """The twin of `candidate_label_topk` (same contract): the candidates' scores (`labels.candidate_label_scores`),
     then `select_heavy_columns_torch` over candidate positions."""
     scores = candidate_label_scores(query, channels, codes, scale, zero, bits, candidates, rows, heads)
-    allowed = candidates >= 0
-    if selectable is not None:
-        inside = selectable[:, None].expand(-1, candidates.shape[1], -1).gather(-1, candidates.clamp(min=0))
-        allowed &= inside.bool()
+    allowed = _in_window(candidates, selectable)
     position = select_heavy_columns_torch(scores, allowed, heavy)  # ascending positions, then NO_TOKEN
     return torch.where(position >= 0, candidates.gather(-1, position.clamp(min=0)), torch.full_like(position, NO_TOKEN))
 
@@ -179,8 +176,7 @@ def candidate_label_walk_torch(query: torch.Tensor, channels: torch.Tensor, code
     """The twin of `candidate_label_walk` (same contract): the candidates' scores (`labels.candidate_label_scores`),
     then `successors.with_successors_torch` of the allowed ones."""
     scores = candidate_label_scores(query, channels, codes, scale, zero, bits, candidates, rows, heads)
-    inside = selectable[:, None].expand(-1, candidates.shape[1], -1).gather(-1, candidates.clamp(min=0))
-    allowed = (candidates >= 0) & inside.bool() & torch.isfinite(scores)
+    allowed = _in_window(candidates, selectable) & torch.isfinite(scores)
     return with_successors_torch(torch.where(allowed, candidates, torch.full_like(candidates, NO_TOKEN)), scores,
                                  selectable)
 
@@ -262,6 +258,14 @@ def _runs_triton(tensor: torch.Tensor, codes: torch.Tensor, bits: int, heavy: in
     channel count at 4 bits, codes contiguous per token, a nonempty cache and heavy budget."""
     return (use_triton(tensor) and tensor.dtype != torch.float64 and bits in (4, 8, 16) and heavy > 0
             and codes.shape[2] > 0 and codes.stride(-1) == 1 and (bits != 4 or channels % 2 == 0))
+
+
+def _in_window(candidates: torch.Tensor, selectable: torch.Tensor | None) -> torch.Tensor:
+    """``[A, H', C]`` bool: the candidates that are columns (not negative) of the window ``[A, n]`` (None = all)."""
+    allowed = candidates >= 0
+    if selectable is None:
+        return allowed
+    return allowed & selectable[:, None].expand(-1, candidates.shape[1], -1).gather(-1, candidates.clamp(min=0)).bool()
 
 
 def _candidates_fit(width: int) -> bool:

@@ -602,8 +602,9 @@ def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, cod
                                 selectable: torch.Tensor, *, num_warps: int | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `label_topk.candidate_label_walk` (``[A, H', C]`` int64 each: the walk's columns in the
-    order taken, then NO_TOKEN; the allowed candidates in rank order, then NO_TOKEN), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors: one launch, a program per
-    (row, head) scoring its ``C <= MAX_CANDIDATES`` candidates and walking them in registers."""
+    order taken, then NO_TOKEN; the allowed candidates in rank order, then NO_TOKEN), for rows ``[A]`` and heads
+    ``[A or 1, H']`` index tensors: one launch, a program per (row, head) scoring its ``C <= MAX_CANDIDATES``
+    candidates and walking them in registers."""
     if codes.shape[2] >= (1 << COLUMN_BITS) - 1:
         raise ValueError(f"{codes.shape[2]} columns; accepted: fewer than {(1 << COLUMN_BITS) - 1} (the torch twin "
                          "takes more)")
