@@ -141,8 +141,8 @@ def candidate_label_topk_torch(query: torch.Tensor, channels: torch.Tensor, code
 
 def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                          zero: torch.Tensor | None, bits: int, candidates: torch.Tensor, selectable: torch.Tensor,
-                         rows: torch.Tensor | None = None, heads: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, *,
+                         ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A selection's top columns walked with their successors, and ranked, by the decode query's label scores
     (`SharingConfig.successors`).
 
@@ -150,6 +150,8 @@ def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: tor
         query, channels, codes, scale, zero, bits, rows, heads: as `decode_label_topk`.
         candidates: ``[A, H', C]`` the columns a selection ranks highest per (row, head), in any order; a
             negative entry is none.
+        ascending: the caller's promise that each (row, head)'s candidates are ascending, negative entries
+            after them (`decode_label_topk`'s output): the kernel then skips sorting them into column order.
         selectable: ``[A, n]`` bool, the window: a candidate outside it (or scored non-finite) takes no part,
             and a successor must lie in it.
 
@@ -165,7 +167,7 @@ def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: tor
 
         rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
         return candidate_label_walk_triton(query, channels, codes, scale, zero, bits, candidates, rows, heads,
-                                           selectable)
+                                           selectable, ascending=ascending)
     return candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads)
 
 

@@ -388,12 +388,12 @@ def _label_candidates(
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh,
     HEADS: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr,
     PER_ROW_CHANNELS: tl.constexpr, HAS_MASK: tl.constexpr, C_PAD: tl.constexpr, TILE: tl.constexpr,
-    WALK: tl.constexpr,
+    WALK: tl.constexpr, ASCENDING: tl.constexpr,
 ):
     """Program (row-head pid): the row-head's candidates' keys (a negative column, one outside the mask or
     scored non-finite has none), then its top `heavy` columns in candidate order, or (WALK, with the mask:
     the window) all of them walked with their successors and ranked (`successors_triton._walk`; `heavy` =
-    candidates)."""
+    candidates; ASCENDING: the candidates are ascending, then negative, so not sorted into column order)."""
     pid = tl.program_id(0)
     i = (pid // HEADS).to(tl.int64)
     row = tl.load(rows_ptr + i).to(tl.int64)
@@ -406,7 +406,7 @@ def _label_candidates(
                       R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
     if WALK:
         _walk(out_ptr + pid.to(tl.int64) * heavy, ranked_ptr + pid.to(tl.int64) * heavy, cols.to(tl.int64), key,
-              key != -2147483648, mask_ptr + i * s_mb, n, heavy, C_PAD)
+              key != -2147483648, mask_ptr + i * s_mb, n, heavy, C_PAD, ASCENDING)
     else:
         _top_columns(out_ptr + pid.to(tl.int64) * heavy, key, cols, heavy, TILE)
 
@@ -599,7 +599,7 @@ def candidate_label_topk_triton(query: torch.Tensor, channels: torch.Tensor, cod
 def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
                                 scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
                                 candidates: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
-                                selectable: torch.Tensor, *, num_warps: int | None = None
+                                selectable: torch.Tensor, *, ascending: bool = False, num_warps: int | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `label_topk.candidate_label_walk` (``[A, H', C]`` int64 each: the walk's columns in the
     order taken, then NO_TOKEN; the allowed candidates in rank order, then NO_TOKEN), for rows ``[A]`` and heads
@@ -609,13 +609,13 @@ def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, cod
         raise ValueError(f"{codes.shape[2]} columns; accepted: fewer than {(1 << COLUMN_BITS) - 1} (the torch twin "
                          "takes more)")
     return _candidates(query, channels, codes, scale, zero, bits, candidates.shape[-1], candidates, rows, heads,
-                       selectable, True, None, num_warps)
+                       selectable, True, None, num_warps, ascending)
 
 
 def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                 zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor, rows: torch.Tensor,
                 heads: torch.Tensor, selectable: torch.Tensor | None, walk: bool, tile: int | None,
-                num_warps: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                num_warps: int | None, ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of `_label_candidates`: ``[A, H', heavy]`` int64, and (`walk`) the ranked candidates."""
     count, n_heads, width = candidates.shape
     out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=codes.device)
@@ -634,7 +634,7 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
         codes.shape[2], heavy, width, *strides, candidates.stride(0), candidates.stride(1),
         HEADS=n_heads, R=r, BITS=bits, LOAD_BYTES=load_bytes, GROUP=group,
         PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None, C_PAD=pad,
-        TILE=tile or TAIL_TILE, WALK=walk, num_warps=num_warps or max(4, min(16, pad // 512)),
+        TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, num_warps=num_warps or max(4, min(16, pad // 512)),
     )
     return out, ranked
 

@@ -1,18 +1,19 @@
-"""Triton successors: one launch per selecting layer instead of three sorts and a few dozen small kernels.
+"""Triton successors: one launch per selecting layer instead of a few sorts and a few dozen small kernels.
 
 Twin of `successors.with_successors_torch`. Program (row, head) holds its k columns and scores in registers
-(`_walk`, also the end of `label_topk_triton`'s fused candidate walk) and sorts three times, each an int64
-key packed so that one ascending sort orders it:
+(`_walk`, also the end of `label_topk_triton`'s fused candidate walk) in column order (given so, or sorted
+into it first: one sort of (column, score key) packed in int64):
 
-1. rank order: (given last, score descending as an order-preserving int32 key, column ascending);
-2. column order, carrying each entry's rank: whether a column's neighbours are given and ranked before it
-   (read with `tl.gather` from the next and previous sorted entries), so whether the column and its
-   successor would add a slot;
-3. rank order again, carrying those two flags (an int32 key): a cumulative sum gives each ranked column its
-   first slot.
+1. rank order: one ascending sort of int64 keys (given last, score descending as an order-preserving int32
+   key, position ascending: the smaller column first among ties); the ranked columns are written;
+2. each entry's rank, by writing the sort's positions at the entries' slots of the output row (a scratch,
+   read back after a barrier); in column order an entry's neighbours are the entries beside it, so
+   whether a column was taken as its predecessor's successor and whether its successor is free are
+   comparisons with them;
+3. those two flags moved to rank order through the same scratch: a cumulative sum gives each ranked
+   column its first slot.
 
-The walk's slots are contiguous from 0: the taken columns are written there, ``NO_TOKEN`` after them; the
-ranked columns (1.) are written too.
+The walk's slots are contiguous from 0: the taken columns are written there, ``NO_TOKEN`` after them.
 """
 
 from __future__ import annotations
@@ -26,34 +27,44 @@ RANK_BITS = 16  # k < 2**16
 
 
 @triton.jit
-def _walk(out, ranked_out, columns, key, given, window_row, n, K, K_P: tl.constexpr):
+def _walk(out, ranked_out, columns, key, given, window_row, n, K, K_P: tl.constexpr, ASCENDING: tl.constexpr):
     """Write the walk of one (row, head) at ``out[0:K)`` and the given columns in rank order at
     ``ranked_out[0:K)``: columns ``[K_P]`` int64 with their order-preserving int32 score keys, `given` where an
-    entry takes part; `window_row` the row's selectable columns (nonzero)."""
+    entry takes part; `window_row` the row's selectable columns (nonzero). ASCENDING: the columns are
+    ascending and distinct, negative entries (never given) only after them; otherwise any order."""
     i = tl.arange(0, K_P)
-    column_field = tl.where(given, columns, (1 << 24) - 1)
-    # 1. rank order: given first, score descending, column ascending
-    descending = 0x7FFFFFFF - key.to(tl.int64)  # in [0, 2**32)
-    ranked = tl.sort((tl.where(given, 0, 1).to(tl.int64) << 56) | (descending << 24) | column_field)
-    ranked_column = ranked & ((1 << 24) - 1)
+    if not ASCENDING:  # column order first, not-given entries last
+        packed = tl.sort((tl.where(given, columns, (1 << 24) - 1) << 32) | (key.to(tl.int64) & 0xFFFFFFFF))
+        columns = packed >> 32
+        key = packed.to(tl.int32)  # the low 32 bits
+        given = columns < (1 << 24) - 1
+    # 1. rank order: given first, score descending, position (column) ascending; the rest by position, so
+    # that entries [0, K) take ranks [0, K)
+    descending = tl.where(given, 0x7FFFFFFF - key.to(tl.int64), 0)  # in [0, 2**32)
+    ranked = tl.sort((tl.where(given, 0, 1).to(tl.int64) << 56) | (descending << 24) | i)
+    position = (ranked & ((1 << 24) - 1)).to(tl.int32)
+    ranked_column = tl.gather(columns, position, 0)
     tl.store(ranked_out + i, tl.where(ranked < (1 << 56), ranked_column, -1), mask=i < K)
-    # 2. column order with ranks (rank = position in 1.): neighbours ranked before
-    by_column = tl.sort((ranked_column << 16) | i)
-    column = by_column >> 16
-    rank = by_column & 0xFFFF
-    previous = tl.gather(by_column, tl.maximum(i - 1, 0), 0)
-    following = tl.gather(by_column, tl.minimum(i + 1, K_P - 1), 0)
-    ok = column < (1 << 24) - 1  # given
-    earlier = ok & (i > 0) & ((previous >> 16) == column - 1) & ((previous & 0xFFFF) < rank)
-    # taken already where it is the successor, in the window, of the column before it
-    earlier = tl.load(window_row + tl.where(earlier, column, 0), mask=earlier, other=0) != 0
-    own = ok & ~earlier
-    successor = column + 1
-    inside = ok & (successor < n)
+    # 2. each entry's rank (the inverse permutation, through the output row), then its neighbours' ranks
+    tl.store(out + position, i.to(tl.int64), mask=position < K)
+    tl.debug_barrier()
+    rank = tl.load(out + i, mask=i < K, other=K_P, cache_modifier=".cg").to(tl.int32)
+    before = tl.maximum(i - 1, 0)
+    after = tl.minimum(i + 1, K_P - 1)
+    # taken already where it is the successor, in the window, of the column before it ranked before it
+    earlier = given & (i > 0) & (tl.gather(columns, before, 0) == columns - 1) & (tl.gather(rank, before, 0) < rank)
+    earlier = tl.load(window_row + tl.where(earlier, columns, 0), mask=earlier, other=0) != 0
+    own = given & ~earlier
+    successor = columns + 1
+    inside = given & (successor < n)
     inside = tl.load(window_row + tl.where(inside, successor, 0), mask=inside, other=0) != 0
-    follows = inside & ~((i + 1 < K_P) & ((following >> 16) == successor) & ((following & 0xFFFF) < rank))
-    # 3. rank order with the flags
-    flags = tl.sort((rank.to(tl.int32) << 2) | (own.to(tl.int32) << 1) | follows.to(tl.int32))
+    follows = inside & ~((i + 1 < K_P) & (tl.gather(columns, after, 0) == successor) & (tl.gather(rank, after, 0) < rank))
+    # 3. the flags in rank order (through the output row again), each ranked column's first slot
+    tl.debug_barrier()  # every rank read before the row is written again
+    tl.store(out + rank, (own.to(tl.int64) << 1) | follows.to(tl.int64), mask=i < K)
+    tl.debug_barrier()
+    flags = tl.load(out + i, mask=i < K, other=0, cache_modifier=".cg")
+    tl.debug_barrier()  # every flag read before the walk is written
     own_r = (flags >> 1) & 1
     follows_r = flags & 1
     cost = own_r + follows_r
@@ -78,7 +89,7 @@ def _with_successors(
     bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving int32 of the float
     _walk(out_ptr + row * s_ob + head * s_oh, ranked_ptr + row * s_ob + head * s_oh, columns, key, columns >= 0,
-          window_ptr + row * s_wb, n, K, K_P)
+          window_ptr + row * s_wb, n, K, K_P, False)
 
 
 def with_successors_triton(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor

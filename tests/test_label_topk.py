@@ -328,14 +328,22 @@ def test_candidate_walk_twin_is_the_brute_force_walk(bits):
     assert 35 in got[0][1, 0].tolist() and 36 in got[0][1, 0].tolist()  # the run's last successor
 
 
-@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (8, torch.float16), (16, torch.bfloat16)])
-def test_candidate_walk_triton_matches_twin(bits, dtype):
+@pytest.mark.parametrize("bits,dtype,ascending", [(4, torch.bfloat16, False), (8, torch.float16, False),
+                                                  (16, torch.bfloat16, False), (4, torch.bfloat16, True),
+                                                  (8, torch.float32, True)])
+def test_candidate_walk_triton_matches_twin(bits, dtype, ascending):
     triton_or_skip()
     from hshare.kernels.label_topk import candidate_label_walk_torch
     from hshare.kernels.label_topk_triton import candidate_label_walk_triton
 
     query, channels, codes, scale, zero, rows, heads, candidates, selectable = walk_case(bits, dtype)
-    got = candidate_label_walk_triton(query, channels, codes, scale, zero, bits, candidates, rows, heads, selectable)
+    if ascending:  # as the label top-k writes them: ascending, NO_TOKEN after (the kernel then sorts nothing)
+        last = codes.shape[2]
+        candidates = torch.where(candidates >= 0, candidates, last).sort(-1).values
+        candidates = torch.where(candidates < last, candidates, NO_TOKEN)
+        assert bool((candidates[..., :-1] == NO_TOKEN).any())  # some lists end early
+    got = candidate_label_walk_triton(query, channels, codes, scale, zero, bits, candidates, rows, heads, selectable,
+                                      ascending=ascending)
     want = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads)
     for got_part, want_part in zip(got, want):  # the scores' rounding differs, their order here does not
         assert torch.equal(got_part, want_part)

@@ -1,0 +1,120 @@
+"""Times candidate-set refinement's kernels on one GPU at growing candidate counts: the fused Triton
+candidate top-k and candidate walk (`label_topk_triton.candidate_label_topk_triton` /
+`candidate_label_walk_triton`, a program per (row, head) holding its C candidates in registers) against
+their torch twins, and checks each against its twin (top-k: the same columns; walk: the same taken and
+ranked columns).
+
+`--widths` lists C; a width above the kernels' ``MAX_CANDIDATES`` is run with that limit raised for the
+run, which is what this script is for: whether a wider register tile compiles, agrees and is faster
+than the twin.
+
+    python3 benchmarks/candidate_timing.py                      # B16 x 32 heads x 4k, B4 x 8 x 32k, B1 x 8 x 128k
+    python3 benchmarks/candidate_timing.py --widths 1728,7872 --shapes 4x8x32768
+
+Candidates are distinct random window columns, ascending (the walk told so); labels as `label_topk_timing.make_step` (8 heavy
+channels at 4 bits by default); each path replayed as a CUDA graph (`graph_time_us`, L2 flushed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from label_topk_timing import SINK, make_step  # noqa: E402
+
+from hshare.bench.timing import graph_time_us  # noqa: E402
+from hshare.kernels import label_topk_triton  # noqa: E402
+from hshare.kernels.label_topk import candidate_label_topk_torch, candidate_label_walk_torch  # noqa: E402
+
+SHAPES = "16x32x4096,4x8x32768,1x8x131072"
+WIDTHS = "1728,3776,7872,15936"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=SHAPES, help="rows x heads x n, comma-separated")
+    parser.add_argument("--widths", default=WIDTHS, help="candidates per (row, head), comma-separated")
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--channels", type=int, default=8)
+    parser.add_argument("--warps", type=int, default=None, help="num_warps of the Triton kernels (default: theirs)")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    header = ("rows x heads x n", "C", "top-k triton us", "top-k twin us", "walk triton us", "walk twin us", "agree")
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    results = []
+    for shape in args.shapes.split(","):
+        rows, heads, n = map(int, shape.split("x"))
+        codes, scale, zero, query, chans, _, selectable = make_step(rows, heads, n, args.bits, args.channels, 0.0,
+                                                                    device)
+        all_rows = torch.arange(rows, device=device)
+        all_heads = torch.arange(heads, device=device)[None]
+        span = int(selectable[0].sum())
+        for width in map(int, args.widths.split(",")):
+            if width > span:
+                continue
+            candidates = torch.stack([SINK + torch.randperm(span, device=device)[:width]
+                                      for _ in range(rows * heads)]).view(rows, heads, width).sort(-1).values
+            heavy = width // 4
+            limit = label_topk_triton.MAX_CANDIDATES
+            label_topk_triton.MAX_CANDIDATES = max(limit, width)
+            try:
+                def topk_triton():
+                    return label_topk_triton.candidate_label_topk_triton(
+                        query, chans, codes, scale, zero, args.bits, heavy, candidates, all_rows, all_heads,
+                        selectable, num_warps=args.warps)
+
+                def topk_twin():
+                    return candidate_label_topk_torch(query, chans, codes, scale, zero, args.bits, heavy, candidates,
+                                                      selectable)
+
+                def walk_triton():  # the candidates ascending, as a selection's label top-k writes them
+                    return label_topk_triton.candidate_label_walk_triton(
+                        query, chans, codes, scale, zero, args.bits, candidates, all_rows, all_heads, selectable,
+                        ascending=True, num_warps=args.warps)
+
+                def walk_twin():
+                    return candidate_label_walk_torch(query, chans, codes, scale, zero, args.bits, candidates,
+                                                      selectable)
+
+                with torch.no_grad():
+                    agree = {}  # the share of (row, head) programs equal to the twin's: fp32 scores rounded
+                    try:        # differently swap near-equal candidates, which the walk's rank order shows
+                        agree["topk"] = (topk_triton() == topk_twin()).all(-1).float().mean().item()
+                        taken, ranked = walk_triton()
+                        taken_twin, ranked_twin = walk_twin()
+                        agree["walk"] = ((taken == taken_twin).all(-1) & (ranked == ranked_twin).all(-1)).float().mean().item()
+                        agree["walk taken, as sets"] = (taken.sort(-1).values == taken_twin.sort(-1).values).all(
+                            -1).float().mean().item()
+                    except Exception as error:  # a register tile that does not compile or launch
+                        agree["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                    row = {"shape": shape, "candidates": width, "heavy": heavy, "agree": agree}
+                    if "error" not in agree:
+                        row.update(topk_triton_us=graph_time_us(topk_triton, device),
+                                   topk_twin_us=graph_time_us(topk_twin, device),
+                                   walk_triton_us=graph_time_us(walk_triton, device),
+                                   walk_twin_us=graph_time_us(walk_twin, device))
+            finally:
+                label_topk_triton.MAX_CANDIDATES = limit
+            results.append(row)
+
+            def us(key):
+                value = row.get(key)
+                return f"{value:.1f}" if value else "n/a"
+            print(" | ".join([shape, str(width), us("topk_triton_us"), us("topk_twin_us"), us("walk_triton_us"),
+                              us("walk_twin_us"), json.dumps(agree)]), flush=True)
+    out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "candidate_timing.json").write_text(json.dumps(
+        {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "bits": args.bits,
+         "channels": args.channels, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
