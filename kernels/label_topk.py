@@ -117,7 +117,7 @@ def candidate_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: tor
         Triton launch, `label_topk_triton.candidate_label_topk_triton`, up to its ``MAX_CANDIDATES``; wider: the
         twin, with a RuntimeWarning).
     """
-    if _runs_triton(query, codes, bits, heavy, channels.shape[-1]) and _candidates_fit(candidates.shape[-1]):
+    if _runs_triton(query, codes, bits, heavy, channels.shape[-1]) and _candidates_fit(candidates.shape[-1], False):
         from .label_topk_triton import candidate_label_topk_triton
 
         rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
@@ -158,11 +158,11 @@ def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: tor
     Returns:
         ``(taken, ranked)``, ``[A, H', C]`` int64 each: `successors.with_successors` of the allowed candidates
         and their label scores. Only the candidates' label rows are read (CUDA: one Triton launch,
-        `label_topk_triton.candidate_label_walk_triton`, up to its ``MAX_CANDIDATES``; wider: the twin, with a
+        `label_topk_triton.candidate_label_walk_triton`, up to its ``MAX_WALK_CANDIDATES``; wider: the twin, with a
         RuntimeWarning).
     """
     width = candidates.shape[-1]
-    if _runs_triton(query, codes, bits, width, channels.shape[-1]) and _candidates_fit(width):
+    if _runs_triton(query, codes, bits, width, channels.shape[-1]) and _candidates_fit(width, True):
         from .label_topk_triton import candidate_label_walk_triton
 
         rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
@@ -270,16 +270,19 @@ def _in_window(candidates: torch.Tensor, selectable: torch.Tensor | None) -> tor
     return allowed & selectable[:, None].expand(-1, candidates.shape[1], -1).gather(-1, candidates.clamp(min=0)).bool()
 
 
-def _candidates_fit(width: int) -> bool:
-    """Whether `width` candidates per (row, head) fit the Triton candidate kernels (their register tile,
-    ``MAX_CANDIDATES``); a wider set goes to the torch twin, slower, and says so (a RuntimeWarning)."""
-    from .label_topk_triton import MAX_CANDIDATES
+def _candidates_fit(width: int, walk: bool) -> bool:
+    """Whether `width` candidates per (row, head) fit the Triton candidate kernels' register tile
+    (``MAX_CANDIDATES``; the walk's, ``MAX_WALK_CANDIDATES``); a wider set goes to the torch twin, slower, and
+    says so (a RuntimeWarning)."""
+    from . import label_topk_triton
 
-    if width <= MAX_CANDIDATES:
+    limit = label_topk_triton.MAX_WALK_CANDIDATES if walk else label_topk_triton.MAX_CANDIDATES
+    if width <= limit:
         return True
-    warnings.warn(f"{width} candidates per (row, head) exceed the {MAX_CANDIDATES} the Triton candidate kernels "
-                  "hold: the torch twin scores them, slower (accepted on the kernels: sharing.candidates x heavy "
-                  f"<= {MAX_CANDIDATES})", RuntimeWarning, stacklevel=3)
+    what = "walk" if walk else "top-k"
+    warnings.warn(f"{width} candidates per (row, head) exceed the {limit} the Triton candidate {what} holds: the "
+                  f"torch twin scores them, slower (accepted on the kernels: sharing.candidates x heavy <= {limit})",
+                  RuntimeWarning, stacklevel=3)
     return False
 
 

@@ -64,7 +64,8 @@ from .successors_triton import COLUMN_BITS, _walk
 CHUNK = 4096  # columns per program (and the longest row done in one launch)
 MAX_CHUNKS = 32  # longer rows take longer chunks (the bound L compares every pair of sketch keys)
 TAIL_TILE = 4096  # candidates per tile of the last program's search and writes
-MAX_CANDIDATES = 4096  # candidate columns per (row, head) that `candidate_label_topk_triton` holds in registers
+MAX_CANDIDATES = 16384  # candidate columns per (row, head) that `candidate_label_topk_triton` holds in registers
+MAX_WALK_CANDIDATES = 8192  # the same for `candidate_label_walk_triton` (a register sort; wider ones: the twin)
 LEVELS = 4  # target ranks per chunk sketch
 SKETCH = 16  # int32 fields per (row-head, chunk) sketch: LEVELS keys, LEVELS counts, count, max, min
 SENTINEL = tl.constexpr(-(1 << 63))  # an empty candidate slot (its key is INT32_MIN)
@@ -603,7 +604,7 @@ def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, cod
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `label_topk.candidate_label_walk` (``[A, H', C]`` int64 each: the walk's columns in the
     order taken, then NO_TOKEN; the allowed candidates in rank order, then NO_TOKEN), for rows ``[A]`` and heads
-    ``[A or 1, H']`` index tensors: one launch, a program per (row, head) scoring its ``C <= MAX_CANDIDATES``
+    ``[A or 1, H']`` index tensors: one launch, a program per (row, head) scoring its ``C <= MAX_WALK_CANDIDATES``
     candidates and walking them in registers."""
     if codes.shape[2] >= (1 << COLUMN_BITS) - 1:
         raise ValueError(f"{codes.shape[2]} columns; accepted: fewer than {(1 << COLUMN_BITS) - 1} (the torch twin "
@@ -622,8 +623,9 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     ranked = torch.empty_like(out) if walk else out  # without the walk: never written
     if heavy == 0 or count * n_heads == 0:
         return out, ranked
-    if width > MAX_CANDIDATES:
-        raise ValueError(f"{width} candidates per head; accepted: at most {MAX_CANDIDATES} (the torch twin takes more)")
+    limit = MAX_WALK_CANDIDATES if walk else MAX_CANDIDATES
+    if width > limit:
+        raise ValueError(f"{width} candidates per head; accepted: at most {limit} (the torch twin takes more)")
     _, query, channels, r, group, _ = kernel_label_inputs(None, query, channels)
     code_bytes, scale_t, zero_t, rows, heads, mask_t, load_bytes, strides = _operands(
         query, channels, codes, scale, zero, bits, r, rows, heads, selectable)

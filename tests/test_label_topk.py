@@ -5,6 +5,7 @@ small shapes; one-chunk and two-launch paths)."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -356,25 +357,40 @@ def test_candidate_walk_triton_matches_twin(bits, dtype, ascending):
 
 
 def test_wide_candidate_sets_go_to_the_twin_with_a_warning(monkeypatch):
-    """Candidate sets wider than the Triton kernels' register tile are scored by the twin, never silently."""
+    """Candidate sets wider than the Triton kernels' register tiles are scored by the twin, never silently: the
+    walk's limit first (the top-k still takes that width), then the top-k's (both limits lowered here, so
+    that the sets stay small on CPU)."""
     pytest.importorskip("triton")
     import importlib
 
+    from hshare.kernels import label_topk_triton
     from hshare.kernels.label_topk import candidate_label_walk, candidate_label_walk_torch
-    from hshare.kernels.label_topk_triton import MAX_CANDIDATES
 
+    monkeypatch.setattr(label_topk_triton, "MAX_WALK_CANDIDATES", 64)
+    monkeypatch.setattr(label_topk_triton, "MAX_CANDIDATES", 128)
     generator = torch.Generator().manual_seed(3)
-    n, width = MAX_CANDIDATES + 8, MAX_CANDIDATES + 4
+    n = 160
     codes, scale, zero = label_cache(1, 1, n, 8, 8)
     query = torch.randn(1, 1, 16, generator=generator).to(DEVICE)
     channels = torch.randperm(16, generator=generator)[:8].view(1, 1, 8).to(DEVICE)
-    candidates = torch.randperm(n, generator=generator)[:width].view(1, 1, width).to(DEVICE)
     selectable = torch.ones(1, n, dtype=torch.bool, device=DEVICE)
     module = importlib.import_module("hshare.kernels.label_topk")
     monkeypatch.setattr(module, "use_triton", lambda tensor: True)  # as on CUDA
-    with pytest.warns(RuntimeWarning, match=f"{width} candidates .* exceed the {MAX_CANDIDATES}"):
+    launched = []
+    monkeypatch.setattr(label_topk_triton, "_candidates",  # the launch, recorded and not run
+                        lambda *args: (launched.append(args[7].shape[-1]), None))
+    candidates = torch.randperm(n, generator=generator)[:68].view(1, 1, 68).to(DEVICE)
+    with pytest.warns(RuntimeWarning, match="68 candidates .* exceed the 64 the Triton candidate walk"):
         got = candidate_label_walk(query, channels, codes, scale, zero, 8, candidates, selectable)
     want = candidate_label_walk_torch(query, channels, codes, scale, zero, 8, candidates, selectable)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
-    with pytest.warns(RuntimeWarning, match="exceed"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 68 <= 128: the Triton top-k, no warning
         module.candidate_label_topk(query, channels, codes, scale, zero, 8, 5, candidates, selectable)
+    assert launched == [68]
+    candidates = torch.randperm(n, generator=generator)[:132].view(1, 1, 132).to(DEVICE)
+    with pytest.warns(RuntimeWarning, match="132 candidates .* exceed the 128 the Triton candidate top-k"):
+        got = module.candidate_label_topk(query, channels, codes, scale, zero, 8, 5, candidates, selectable)
+    assert torch.equal(got, module.candidate_label_topk_torch(query, channels, codes, scale, zero, 8, 5, candidates,
+                                                              selectable))
+    assert launched == [68]

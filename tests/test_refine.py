@@ -193,6 +193,10 @@ def test_config():
             HShareConfig(candidates=bad)
     assert HShareConfig.from_preset("hshare-refine").sharing.candidates > 1
     assert HShareConfig.from_preset("hshare-refine-successors").sharing.successors
+    wide = HShareConfig.from_preset("hshare-refine-successors-c4@2048")
+    assert wide.sharing.successors and wide.candidate_count == 4 * 1968  # the Triton walk's limit holds it
+    from hshare.kernels.label_topk_triton import MAX_WALK_CANDIDATES
+    assert wide.candidate_count <= MAX_WALK_CANDIDATES
     assert HShareConfig(successors=True).candidate_count == 0  # successors of the heavy columns themselves
     with pytest.raises(ConfigError, match=r"successors = True with policy 'quest' is invalid.*accepted"):
         HShareConfig(policy="quest", successors=True)
