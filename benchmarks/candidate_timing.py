@@ -4,9 +4,9 @@ candidate top-k and candidate walk (`label_topk_triton.candidate_label_topk_trit
 their torch twins, and checks each against its twin (top-k: the same columns; walk: the same taken and
 ranked columns).
 
-`--widths` lists C; a width above the kernels' ``MAX_CANDIDATES`` is run with that limit raised for the
-run, which is what this script is for: whether a wider register tile compiles, agrees and is faster
-than the twin.
+`--widths` lists C; a width above the kernels' limits (``MAX_CANDIDATES``, ``MAX_WALK_CANDIDATES``) is run
+with the limits raised for the run, which is what this script is for: whether a wider register tile
+compiles, agrees and is faster than the twin.
 
     python3 benchmarks/candidate_timing.py                      # B16 x 32 heads x 4k, B4 x 8 x 32k, B1 x 8 x 128k
     python3 benchmarks/candidate_timing.py --widths 1728,7872 --shapes 4x8x32768
@@ -62,8 +62,8 @@ def main() -> None:
             candidates = torch.stack([SINK + torch.randperm(span, device=device)[:width]
                                       for _ in range(rows * heads)]).view(rows, heads, width).sort(-1).values
             heavy = width // 4
-            limit = label_topk_triton.MAX_CANDIDATES
-            label_topk_triton.MAX_CANDIDATES = max(limit, width)
+            limits = label_topk_triton.MAX_CANDIDATES, label_topk_triton.MAX_WALK_CANDIDATES
+            label_topk_triton.MAX_CANDIDATES = label_topk_triton.MAX_WALK_CANDIDATES = max(*limits, width)
             try:
                 def topk_triton():
                     return label_topk_triton.candidate_label_topk_triton(
@@ -101,7 +101,7 @@ def main() -> None:
                                    walk_triton_us=graph_time_us(walk_triton, device),
                                    walk_twin_us=graph_time_us(walk_twin, device))
             finally:
-                label_topk_triton.MAX_CANDIDATES = limit
+                label_topk_triton.MAX_CANDIDATES, label_topk_triton.MAX_WALK_CANDIDATES = limits
             results.append(row)
 
             def us(key):
