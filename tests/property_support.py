@@ -523,8 +523,15 @@ class SelectionSpy:
 
         original_label_walk = labels.candidate_label_walk
 
-        def label_walk(query, channels, codes, scale, zero, bits, candidates, selectable, rows=None, heads=None):
-            out = original_label_walk(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads)
+        def label_walk(query, channels, codes, scale, zero, bits, candidates, selectable, rows=None, heads=None, *,
+                       ascending=False):
+            if ascending:  # the caller's promise: each list ascending, negative entries after the columns
+                real = candidates >= 0
+                assert not bool((~real[..., :-1] & real[..., 1:]).any()), "a column after a negative entry"
+                assert not bool((real[..., 1:] & (candidates[..., 1:] <= candidates[..., :-1])).any()), \
+                    "candidates promised ascending are not"
+            out = original_label_walk(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads,
+                                      ascending=ascending)
             assert spy.successors, "successors walked without SharingConfig.successors"
             spy.walk_calls += 1
             scores = candidate_label_scores(query, channels, codes, scale, zero, bits, candidates, rows, heads)
