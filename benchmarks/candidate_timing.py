@@ -89,7 +89,8 @@ def main() -> None:
                         agree["topk"] = (topk_triton() == topk_twin()).all(-1).float().mean().item()
                         taken, ranked = walk_triton()
                         taken_twin, ranked_twin = walk_twin()
-                        agree["walk"] = ((taken == taken_twin).all(-1) & (ranked == ranked_twin).all(-1)).float().mean().item()
+                        same = (taken == taken_twin).all(-1) & (ranked == ranked_twin).all(-1)
+                        agree["walk"] = same.float().mean().item()
                         agree["walk taken, as sets"] = (taken.sort(-1).values == taken_twin.sort(-1).values).all(
                             -1).float().mean().item()
                     except Exception as error:  # a register tile that does not compile or launch

@@ -680,9 +680,25 @@ def preset_names() -> list[str]:
     return names
 
 
+def split_overrides(text: str) -> tuple[str, dict[str, Any]]:
+    """``(preset, overrides)`` of a preset string with options after ``+``: ``"ds@1024+dense_fallback_mib=0+sink=4"``
+    gives ``("ds@1024", {"dense_fallback_mib": 0, "sink": 4})`` (values read as YAML scalars); a string
+    without ``+`` has none."""
+    name, *assignments = text.split("+")
+    overrides = {}
+    for assignment in assignments:
+        key, equals, value = assignment.partition("=")
+        if not key or not equals or not value:
+            raise ConfigError(f"{text!r}: override {assignment!r} is not FIELD=VALUE; accepted: "
+                              "PRESET+FIELD=VALUE[+FIELD=VALUE...], e.g. hshare-refine-successors@512+candidates=3")
+        overrides[key] = yaml.safe_load(value)
+    return name, overrides
+
+
 def resolve_config(config: "HShareConfig | str | os.PathLike | None", **overrides: Any) -> HShareConfig:
-    """A config object, a preset name, or a YAML path -> `HShareConfig`, with option overrides
-    (`HShareConfig.replace`); ``budget=N_c`` resizes it first (`HShareConfig.with_budget`), and explicit
+    """A config object, a preset name (``"<preset>[@<N_c>][+FIELD=VALUE...]"``, `split_overrides`), or a YAML
+    path -> `HShareConfig`, with option overrides (`HShareConfig.replace`; keyword overrides win over a
+    preset string's); ``budget=N_c`` resizes it first (`HShareConfig.with_budget`), and explicit
     ``sink``/``local``/``heavy`` win over it."""
     budget = overrides.pop("budget", None)
     if config is None:
@@ -691,12 +707,17 @@ def resolve_config(config: "HShareConfig | str | os.PathLike | None", **override
         resolved = config
     elif isinstance(config, (str, os.PathLike)):
         text = str(config)
-        if text.endswith((".yaml", ".yml")) or os.sep in text:
+        if text.endswith((".yaml", ".yml")) or os.sep in text.split("+", 1)[0]:  # options may hold '/' (1/2)
             if not Path(text).is_file():
                 raise ConfigError(f"config file {text!r} does not exist")
             resolved = HShareConfig.from_yaml(text)
         else:
-            resolved = HShareConfig.from_preset(text)
+            name, given = split_overrides(text)
+            resolved = HShareConfig.from_preset(name)
+            if given:  # the string's options act as keyword ones (after the budget), which win over them
+                string_budget = given.pop("budget", None)
+                budget = string_budget if budget is None else budget
+                overrides = {"name": text, **given, **overrides}
     else:
         raise ConfigError(
             f"config = {config!r} has type {type(config).__name__}; accepted: an HShareConfig, a preset name "

@@ -58,7 +58,8 @@ def _walk(out, ranked_out, columns, key, given, window_row, n, K, K_P: tl.conste
     successor = columns + 1
     inside = given & (successor < n)
     inside = tl.load(window_row + tl.where(inside, successor, 0), mask=inside, other=0) != 0
-    follows = inside & ~((i + 1 < K_P) & (tl.gather(columns, after, 0) == successor) & (tl.gather(rank, after, 0) < rank))
+    follows = inside & ~((i + 1 < K_P) & (tl.gather(columns, after, 0) == successor)
+                         & (tl.gather(rank, after, 0) < rank))
     # 3. the flags in rank order (through the output row again), each ranked column's first slot
     tl.debug_barrier()  # every rank read before the row is written again
     tl.store(out + rank, (own.to(tl.int64) << 1) | follows.to(tl.int64), mask=i < K)

@@ -114,11 +114,13 @@ def test_a_single_row_prompt_builds_no_quadratic_mask():
 
 
 def test_path_overrides_after_plus():
-    assert generate.split_path("ds@1024+dense_fallback_mib=0+group_lookahead=true") == (
+    from hshare.config import split_overrides
+
+    assert split_overrides("ds@1024+dense_fallback_mib=0+group_lookahead=true") == (
         "ds@1024", {"dense_fallback_mib": 0, "group_lookahead": True})
-    assert generate.split_path("dense") == ("dense", {})
-    with pytest.raises(ValueError, match="override 'sink' is not FIELD=VALUE; accepted: CONFIG"):
-        generate.split_path("ds+sink")
+    assert split_overrides("dense") == ("dense", {})
+    with pytest.raises(ValueError, match="override 'sink' is not FIELD=VALUE; accepted: PRESET"):
+        split_overrides("ds+sink")
 
 
 def test_decode_step_bytes_by_hand():

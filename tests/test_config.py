@@ -39,6 +39,26 @@ def test_a_budget_by_name_keeps_the_preset_and_splits_sink_local_heavy(budget, s
     assert resolve_config("ds", budget=budget) == HShareConfig.from_preset(f"ds@{budget}")
 
 
+def test_a_preset_string_takes_options_after_plus():
+    """``"<preset>@<N_c>+FIELD=VALUE..."`` is the preset with those options, wherever a preset name is taken
+    (`resolve_config`: `hshare.patch`, eval, fidelity, bench); keyword overrides win over the string's."""
+    wide = resolve_config("hshare-refine-successors@512+candidates=4")
+    assert wide.replace(name="x") == HShareConfig.from_preset("hshare-refine-successors-c4@512").replace(name="x")
+    assert wide.name == "hshare-refine-successors@512+candidates=4"
+    config = resolve_config("ds@1024+sharing.query=1/2+dense_fallback_mib=0+sink=4", sink=8)
+    plain = HShareConfig.from_preset("ds@1024")
+    assert (config.budget.sink, config.budget.local, config.runtime.dense_fallback_mib) == (8, plain.budget.local, 0)
+    assert config.sharing.query != plain.sharing.query
+    assert config.replace(sink=plain.budget.sink, query_sharing=plain.sharing.query,
+                          dense_fallback_mib=plain.runtime.dense_fallback_mib, name=plain.name) == plain
+    assert resolve_config("ds+sink=4", budget=1024).budget.sink == 4  # the string's options win over the budget
+    assert resolve_config("ds+budget=1024") == resolve_config("ds", budget=1024).replace(name="ds+budget=1024")
+    with pytest.raises(ConfigError, match="override 'candidates' is not FIELD=VALUE"):
+        resolve_config("hshare-refine@512+candidates")
+    with pytest.raises(ConfigError, match="unknown|accepted"):
+        resolve_config("ds@512+no_such_option=1")
+
+
 def test_a_budget_override_yields_to_explicit_windows_and_names_are_listed():
     config = resolve_config("hshare-1_2-1_2-1_2", budget=2048, heavy=1000)
     assert (config.budget.sink, config.budget.local, config.budget.heavy) == (16, 64, 1000)

@@ -44,7 +44,7 @@ from hshare.attention import hshare_attention
 from hshare.bench.results import environment, speedup_panels, write
 from hshare.bench.timing import dense_graph_us, dense_sdpa_us
 from hshare.cache import HShareCache
-from hshare.config import HShareConfig
+from hshare.config import HShareConfig, resolve_config
 from hshare.static_decode import StaticDecodeReport, StaticDecoder
 
 MHA_SHAPES = [(b, 32, 32, n) for b in (8, 16) for n in (1024, 2048, 4096)]  # Llama-2-7B
@@ -353,11 +353,11 @@ class AttentionRow:
 
 
 def preset_config(preset: str, budget: int, head_dim: int, layers: int) -> HShareConfig:
-    """`preset` at N_c = `budget` (`HShareConfig.with_budget`; a dense preset as it is), checked
-    against the harness's shape as ``hshare.patch`` checks a model's."""
-    config = HShareConfig.from_preset(preset)
+    """`preset` (options after ``+`` allowed) at N_c = `budget` (`HShareConfig.with_budget`; a dense preset as
+    it is), checked against the harness's shape as ``hshare.patch`` checks a model's."""
+    config = resolve_config(preset)
     if config.sparse:
-        config = config.with_budget(budget)
+        config = resolve_config(preset, budget=budget)  # options after '+' win over the budget's split
     config.validate_for_model(layers, head_dim)
     return config
 

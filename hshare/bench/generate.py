@@ -9,7 +9,7 @@ Paths, on the same prompts:
   compiled graphs keep a memory pool that would stay allocated under them); elsewhere it runs last;
 * patched presets (``dense``, ``ds@512``, ``hshare-1_2-1_2-1_2@512``, ...): hshare's static-shape
   decode replayed as CUDA graphs (`hshare.static_decode`). A path may add `HShareConfig` overrides
-  after ``+``: ``hshare-1_2-1_2-1_2@1024+dense_fallback_mib=0`` (`split_path`).
+  after ``+``: ``hshare-1_2-1_2-1_2@1024+dense_fallback_mib=0`` (`hshare.config.split_overrides`).
 
 Per path (`measure_path`), timed one of two ways (``timing``):
 
@@ -70,6 +70,7 @@ from hshare.bench import multi_gpu, roofline
 from hshare.bench.multi_gpu import Placement
 from hshare.bench.results import environment, write
 from hshare.bench.timing import copy_bandwidth
+from hshare.config import split_overrides
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256)
@@ -181,26 +182,12 @@ def make_prompts(vocab: int, batch: int, prompt: int, shared: bool, padded: bool
     return ids, mask
 
 
-def split_path(path: str) -> tuple[str, dict]:
-    """``(config, overrides)`` of a path: ``"ds@1024+dense_fallback_mib=0+sink=4"`` gives ``("ds@1024",
-    {"dense_fallback_mib": 0, "sink": 4})`` (values read as YAML scalars); a path without ``+`` has none."""
-    name, *assignments = path.split("+")
-    overrides = {}
-    for assignment in assignments:
-        key, equals, value = assignment.partition("=")
-        if not key or not equals or not value:
-            raise ValueError(f"path {path!r}: override {assignment!r} is not FIELD=VALUE; accepted: "
-                             "CONFIG+FIELD=VALUE[+FIELD=VALUE...], e.g. hshare-1_2-1_2-1_2@1024+dense_fallback_mib=0")
-        overrides[key] = yaml.safe_load(value)
-    return name, overrides
-
-
 def path_config(path: str, without: tuple[str, ...] = ()):
     """The `HShareConfig` a patched path runs (its ``+`` overrides applied, but not those named in
     `without`), or None for ``unpatched``, ``static`` and a path that names no config (its run says why)."""
     from hshare.config import resolve_config
 
-    name, overrides = split_path(path)
+    name, overrides = split_overrides(path)
     if name in ("unpatched", "static"):
         return None
     try:
@@ -310,7 +297,7 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
     if timing == "steps" and new_tokens < 3:
         raise ValueError(f"new_tokens={new_tokens} with timing 'steps'; accepted: at least 3 (the first token, a "
                          "warm decode step and a timed one)")
-    name, path_overrides = split_path(path)
+    name, path_overrides = split_overrides(path)
     overrides = {**(overrides or {}), **path_overrides}
     kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
     patched = name not in ("unpatched", "static")
@@ -477,7 +464,7 @@ def bench_cells(shape: str, cells: list[tuple[int, int]], new_tokens: int, paths
     Args:
         shared: all rows of a cell are one prompt (the shared prefix held once).
         overrides: `HShareConfig` fields set on every patched path (``dense_fallback_mib=0`` to see sparse
-            decode at any size); a path's own ``+`` overrides win (`split_path`).
+            decode at any size); a path's own ``+`` overrides win (`hshare.config.split_overrides`).
         placement: several GPUs (`multi_gpu`); every rank returns the same rows, only rank 0 prints.
         progress: ``progress(rows)`` on rank 0 after each row.
         repeats, timing: see `measure_path`.
@@ -547,7 +534,7 @@ def bench_cells(shape: str, cells: list[tuple[int, int]], new_tokens: int, paths
                 record(cell, path, failed, None)
                 continue
             failed = failed_row(shape, path, *cell, new_tokens, shared, "", placement.label)
-            name, path_overrides = split_path(path)
+            name, path_overrides = split_overrides(path)
             # hshare's own words, before generating
             refusal = multi_gpu.split_refusal(model, name, {**(overrides or {}), **path_overrides})
             if refusal is not None:

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             shapes, rows, prompts, args.new_tokens = ["tiny"], [1, 2], [40, 80], 4
         paths = [p for p in args.paths.split(",") if p]
         for path in paths:
-            generate.split_path(path)
+            split_overrides(path)
     except ValueError as error:
         raise SystemExit(str(error)) from None
     on_gpu = torch.cuda.is_available() and not args.smoke
