@@ -9,7 +9,8 @@
 #   tests      the GPU tests of static decode, prefill metadata and the decode kernels
 #   selection  the GPU tests of the fused label top-k (candidates too), candidate-set refinement and Quest
 #   candidates the candidate top-k and walk kernels against their twins by width (candidate_timing.py): the widest
-#              (7,872 and 15,936 candidates), then 1,728-7,872 at CANDIDATE_WARPS (default 8 16) warps
+#              (7,872 and 15,936 candidates) with 16 label channels at 4, 8 and 16 bits, then 1,728-7,872 at
+#              CANDIDATE_WARPS (default 8 16) warps
 #   linear     the decode step's weight products, decode_linear_triton's tiles against cuBLAS (decode_linear.py)
 #   crossover  shared prefix or per-row dense decode attention under CUDA graphs (prefix_crossover.py)
 #   refine32k  Llama-3-8B shape B4 x 32k (one row in four padded), 64 new tokens timed per step:
@@ -124,8 +125,10 @@ one_gpu_part() {
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_label_topk.py tests/test_refine.py tests/test_quest.py \
         2>&1 | tail -25 | tee "$OUT/pytest_gpu_selection.log" ;;
     candidates)
-      timeout 200 python3 benchmarks/candidate_timing.py --shapes 4x8x32768,1x8x131072 --widths 7872,15936 2>&1 \
-        | tee "$OUT/candidate_timing.log"
+      for bits in 4 8 16; do  # the widest, with the presets' 16 label channels
+        OUT="$OUT/bits$bits" timeout 120 python3 benchmarks/candidate_timing.py --shapes 4x8x32768 --widths 7872,15936 \
+          --channels 16 --bits "$bits" 2>&1 | tee "$OUT/candidate_timing_bits$bits.log"
+      done
       for warps in ${CANDIDATE_WARPS:-8 16}; do
         OUT="$OUT/warps$warps" timeout 150 python3 benchmarks/candidate_timing.py --shapes 16x32x4096,4x8x32768 \
           --widths 1728,3776,7872 --warps "$warps" 2>&1 | tee "$OUT/candidate_timing_warps$warps.log"
