@@ -18,6 +18,7 @@ its source's query rarely ranks it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from hshare.kernels import NO_TOKEN, critical_indices, select_heavy, with_successors  # noqa: F401 (re-exported)

@@ -385,9 +385,8 @@ class StepPlanner:
         units they scored, in the policy's own unit (`SelectionPolicy.unit`; a scoring scores
         `SelectionPolicy.scored_units` after the step's token, the same for every sparse layer, plus its C
         candidates again with `SharingConfig.candidates` (`hshare.refine.select_candidates`), or its top C or
-        heavy with `SharingConfig.successors`; a refinement
-        C units, or every unit for a policy without `SelectionPolicy.candidate_scores`). O(1): the work of
-        a step of each kind is summed per plan."""
+        heavy with `SharingConfig.successors`; a refinement C units, or every unit for a policy without
+        `SelectionPolicy.candidate_scores`). O(1): the work of a step of each kind is summed per plan."""
         rows, count = cache.rows, self.config.candidate_count
         if self._select_scorings is None or self._select_scorings[0] != rows:
             shares = plan.shares.values()
@@ -407,8 +406,8 @@ class StepPlanner:
         # a scoring scores every unit; with candidates, a policy that scores them alone picks the selecting
         # head's heavy among its C by scoring them again, or with successors ranks its top C (or heavy) by
         # scoring them again (`SelectionPolicy.decode_heavy_successors`); a refinement scores C (or every unit)
-        again = ((count or self.config.budget.heavy) if self.config.sharing.successors else count) \
-            if policy.scores_candidates else 0
+        ranked_again = (count or self.config.budget.heavy) if self.config.sharing.successors else count
+        again = ranked_again if policy.scores_candidates else 0
         scored = scorings * (units + again) + refinements * (count if policy.scores_candidates else units)
         if policy.unit == "pages":
             self.counts.scored_pages += scored

@@ -150,10 +150,10 @@ def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: tor
         query, channels, codes, scale, zero, bits, rows, heads: as `decode_label_topk`.
         candidates: ``[A, H', C]`` the columns a selection ranks highest per (row, head), in any order; a
             negative entry is none.
-        ascending: the caller's promise that each (row, head)'s candidates are ascending, negative entries
-            after them (`decode_label_topk`'s output): the kernel then skips sorting them into column order.
         selectable: ``[A, n]`` bool, the window: a candidate outside it (or scored non-finite) takes no part,
             and a successor must lie in it.
+        ascending: the caller's promise that each (row, head)'s candidates are ascending, negative entries
+            after them (`decode_label_topk`'s output): the kernel then skips sorting them into column order.
 
     Returns:
         ``(taken, ranked)``, ``[A, H', C]`` int64 each: `successors.with_successors` of the allowed candidates

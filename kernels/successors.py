@@ -32,9 +32,9 @@ def with_successors_torch(columns: torch.Tensor, scores: torch.Tensor, window: t
     The walk: in rank order (score descending, then the smaller column first; ``NO_TOKEN`` entries last and
     never taken), take the column unless it is taken (the successor, in the window, of a column ranked before
     it), then its successor (column + 1) where it lies in the window and is not taken (a column ranked
-    before it); stop when k slots are taken. The k columns given always fill the k slots (each adds itself or was taken as a
-    successor), so the walk never looks past them; without adjacent columns it takes the top ceil(k / 2) and
-    their successors.
+    before it); stop when k slots are taken. The k columns given always fill the k slots (each adds itself
+    or was taken as a successor), so the walk never looks past them; without adjacent columns it takes the
+    top ceil(k / 2) and their successors.
 
     Args:
         columns: ``[B', H, k]`` int64, distinct per (row, head), ``NO_TOKEN`` allowed; the columns in the
