@@ -199,15 +199,16 @@ class LabelCache(SelectionPolicy):
                                  self.bits, heavy, selectable=selectable, rows=rows, heads=heads)
 
     def decode_heavy_successors(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int,
-                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None
+                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, top: int = 0
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused top-k (`decode_heavy`), then the top columns' label scores, their walk with successors and
-        their rank order in one operation (`kernels.candidate_label_walk`; CUDA: one launch, their ``heavy``
+        their best `top` in one operation (`kernels.candidate_label_walk`; CUDA: one launch, their ``heavy``
         label rows read)."""
-        top = self.decode_heavy(query, selectable, heavy, rows, heads)
+        best = self.decode_heavy(query, selectable, heavy, rows, heads)
         # the fused label top-k writes its columns ascending (the walk then sorts none); the generic one a set
         return candidate_label_walk(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
-                                    self.bits, top, selectable, rows, heads, ascending=use_triton(self.codes.view()))
+                                    self.bits, best, selectable, rows, heads, top=top,
+                                    ascending=use_triton(self.codes.view()))
 
     def candidate_heavy(self, query: torch.Tensor, candidates: torch.Tensor, window: torch.Tensor, heavy: int,
                         rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:

@@ -155,19 +155,19 @@ class SelectionPolicy(ABC):
         return select_heavy(self.decode_scores(query, rows, heads), selectable[:, None], heavy)
 
     def decode_heavy_successors(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int,
-                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None
+                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, top: int = 0
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`decode_heavy` with successors (`SharingConfig.successors`): ``(taken, ranked)``, ``[B', H', heavy]``
-        each, the `heavy` best columns walked in rank order, each taken with the column after it, until `heavy`
-        are taken, and those best columns in rank order (`kernels.with_successors`). Ranking them scores them
-        again (`candidate_scores`: `heavy` units) where the policy scores candidates alone; otherwise one score
-        tensor serves both."""
+        """`decode_heavy` with successors (`SharingConfig.successors`): ``(taken, best)``, ``[B', H', heavy]`` the
+        `heavy` best columns walked in rank order, each taken with the column after it, until `heavy` are
+        taken, and ``[B', H', top]`` the best `top` of them, both ascending (`kernels.with_successors`).
+        Ranking them scores them again (`candidate_scores`: `heavy` units) where the policy scores candidates
+        alone; otherwise one score tensor serves both."""
         if self.scores_candidates:
-            top = self.decode_heavy(query, selectable, heavy, rows, heads)
-            return with_successors(top, self.candidate_scores(query, top, rows, heads), selectable)
+            best = self.decode_heavy(query, selectable, heavy, rows, heads)
+            return with_successors(best, self.candidate_scores(query, best, rows, heads), selectable, top)
         scores = self.decode_scores(query, rows, heads)
-        top = select_heavy(scores, selectable[:, None], heavy)
-        return with_successors(top, scores.gather(-1, top.clamp(min=0)), selectable)
+        best = select_heavy(scores, selectable[:, None], heavy)
+        return with_successors(best, scores.gather(-1, best.clamp(min=0)), selectable, top)
 
     def candidate_scores(self, query: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | None = None,
                          heads: torch.Tensor | None = None) -> torch.Tensor:

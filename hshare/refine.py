@@ -37,7 +37,7 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         head_slot: ``[P, H_sel]`` each head's slot among them; copy_heads: ``[P, H_sel - n_src]`` the heads
             that copy (P = 1 for a batch plan, else B').
         successors: the C candidates are the top C walked with their successors, and a source head's heavy
-            columns its top `heavy` (`with_successors`: its ranking of the top C, without scoring them again).
+            columns its top `heavy` (`with_successors`: the best of the top C, without scoring them again).
 
     Returns:
         ``(heavy, candidates)``: ``[B', H, heavy]`` and ``[B', H, C]`` int64 columns (H = n_src without
@@ -48,9 +48,8 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         source head's C and heavy from one score tensor, and its copying heads refine. With successors a source
         head's C are scored once more, to rank and walk them, and its copying heads refine.
     """
-    if successors:  # a source head's heavy columns are its top `heavy`, ranked by the walk
-        candidates, ranked = policy.decode_heavy_successors(query, window, count, rows, heads)
-        chosen = ranked[..., :heavy]
+    if successors:  # a source head's heavy columns are its top `heavy`, from the walk's scores
+        candidates, chosen = policy.decode_heavy_successors(query, window, count, rows, heads, top=heavy)
     elif policy.scores_candidates:
         candidates = policy.decode_heavy(query, window, count, rows, heads)
         if head_slot is not None:

@@ -141,10 +141,10 @@ def candidate_label_topk_torch(query: torch.Tensor, channels: torch.Tensor, code
 
 def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                          zero: torch.Tensor | None, bits: int, candidates: torch.Tensor, selectable: torch.Tensor,
-                         rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, *,
+                         rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, *, top: int = 0,
                          ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A selection's top columns walked with their successors, and ranked, by the decode query's label scores
-    (`SharingConfig.successors`).
+    """A selection's top columns walked with their successors, and the best `top` of them, by the decode query's
+    label scores (`SharingConfig.successors`).
 
     Args:
         query, channels, codes, scale, zero, bits, rows, heads: as `decode_label_topk`.
@@ -152,12 +152,13 @@ def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: tor
             negative entry is none.
         selectable: ``[A, n]`` bool, the window: a candidate outside it (or scored non-finite) takes no part,
             and a successor must lie in it.
+        top: how many of the best candidates to return as well (a selecting head's own heavy columns).
         ascending: the caller's promise that each (row, head)'s candidates are ascending, negative entries
             after them (`decode_label_topk`'s output): the kernel then skips sorting them into column order.
 
     Returns:
-        ``(taken, ranked)``, ``[A, H', C]`` int64 each: `successors.with_successors` of the allowed candidates
-        and their label scores. Only the candidates' label rows are read (CUDA: one Triton launch,
+        ``(taken, best)``, ``[A, H', C]`` and ``[A, H', top]`` int64, ascending: `successors.with_successors` of
+        the allowed candidates and their label scores. Only the candidates' label rows are read (CUDA: one Triton launch,
         `label_topk_triton.candidate_label_walk_triton`, up to its ``MAX_WALK_CANDIDATES``; wider: the twin, with a
         RuntimeWarning).
     """
@@ -167,20 +168,21 @@ def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: tor
 
         rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
         return candidate_label_walk_triton(query, channels, codes, scale, zero, bits, candidates, rows, heads,
-                                           selectable, ascending=ascending)
-    return candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads)
+                                           selectable, top, ascending=ascending)
+    return candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads,
+                                      top)
 
 
 def candidate_label_walk_torch(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
                                scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
                                candidates: torch.Tensor, selectable: torch.Tensor, rows: torch.Tensor | None = None,
-                               heads: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                               heads: torch.Tensor | None = None, top: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of `candidate_label_walk` (same contract): the candidates' scores (`labels.candidate_label_scores`),
     then `successors.with_successors_torch` of the allowed ones."""
     scores = candidate_label_scores(query, channels, codes, scale, zero, bits, candidates, rows, heads)
     allowed = _in_window(candidates, selectable) & torch.isfinite(scores)
     return with_successors_torch(torch.where(allowed, candidates, torch.full_like(candidates, NO_TOKEN)), scores,
-                                 selectable)
+                                 selectable, top)
 
 
 def label_topk_torch(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,

@@ -385,7 +385,7 @@ def _label_topk_sketch(
 @triton.jit
 def _label_candidates(
     query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, out_ptr,
-    ranked_ptr, n, heavy, candidates,
+    best_ptr, n, heavy, candidates, top,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh,
     HEADS: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr,
     PER_ROW_CHANNELS: tl.constexpr, HAS_MASK: tl.constexpr, C_PAD: tl.constexpr, TILE: tl.constexpr,
@@ -393,8 +393,9 @@ def _label_candidates(
 ):
     """Program (row-head pid): the row-head's candidates' keys (a negative column, one outside the mask or
     scored non-finite has none), then its top `heavy` columns in candidate order, or (WALK, with the mask:
-    the window) all of them walked with their successors and ranked (`successors_triton._walk`; `heavy` =
-    candidates; ASCENDING: the candidates are ascending, then negative, so not sorted into column order)."""
+    the window) all of them walked with their successors, and their best `top` (`successors_triton._walk`;
+    `heavy` = candidates; ASCENDING: the candidates are ascending, then negative, so not sorted into column
+    order)."""
     pid = tl.program_id(0)
     i = (pid // HEADS).to(tl.int64)
     row = tl.load(rows_ptr + i).to(tl.int64)
@@ -406,8 +407,8 @@ def _label_candidates(
                       s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_mb,
                       R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
     if WALK:
-        _walk(out_ptr + pid.to(tl.int64) * heavy, ranked_ptr + pid.to(tl.int64) * heavy, cols.to(tl.int64), key,
-              key != -2147483648, mask_ptr + i * s_mb, n, heavy, C_PAD, ASCENDING)
+        _walk(out_ptr + pid.to(tl.int64) * heavy, best_ptr + pid.to(tl.int64) * top, cols.to(tl.int64), key,
+              key != -2147483648, mask_ptr + i * s_mb, n, heavy, top, C_PAD, ASCENDING)
     else:
         _top_columns(out_ptr + pid.to(tl.int64) * heavy, key, cols, heavy, TILE)
 
@@ -600,29 +601,29 @@ def candidate_label_topk_triton(query: torch.Tensor, channels: torch.Tensor, cod
 def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
                                 scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
                                 candidates: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
-                                selectable: torch.Tensor, *, ascending: bool = False, num_warps: int | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `label_topk.candidate_label_walk` (``[A, H', C]`` int64 each: the walk's columns in the
-    order taken, then NO_TOKEN; the allowed candidates in rank order, then NO_TOKEN), for rows ``[A]`` and heads
+                                selectable: torch.Tensor, top: int = 0, *, ascending: bool = False,
+                                num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `label_topk.candidate_label_walk` (``[A, H', C]`` int64: the walk's columns ascending, then
+    NO_TOKEN; ``[A, H', top]``: the best `top` allowed candidates ascending, then NO_TOKEN), for rows ``[A]`` and heads
     ``[A or 1, H']`` index tensors: one launch, a program per (row, head) scoring its ``C <= MAX_WALK_CANDIDATES``
     candidates and walking them in registers."""
     if codes.shape[2] >= (1 << COLUMN_BITS) - 1:
         raise ValueError(f"{codes.shape[2]} columns; accepted: fewer than {(1 << COLUMN_BITS) - 1} (the torch twin "
                          "takes more)")
     return _candidates(query, channels, codes, scale, zero, bits, candidates.shape[-1], candidates, rows, heads,
-                       selectable, True, None, num_warps, ascending)
+                       selectable, True, None, num_warps, ascending, top)
 
 
 def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                 zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor, rows: torch.Tensor,
                 heads: torch.Tensor, selectable: torch.Tensor | None, walk: bool, tile: int | None,
-                num_warps: int | None, ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of `_label_candidates`: ``[A, H', heavy]`` int64, and (`walk`) the ranked candidates."""
+                num_warps: int | None, ascending: bool = False, top: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of `_label_candidates`: ``[A, H', heavy]`` int64, and (`walk`) the best `top` candidates."""
     count, n_heads, width = candidates.shape
     out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=codes.device)
-    ranked = torch.empty_like(out) if walk else out  # without the walk: never written
+    best = torch.full((count, n_heads, top), -1, dtype=torch.int64, device=codes.device)
     if heavy == 0 or count * n_heads == 0:
-        return out, ranked
+        return out, best
     limit = MAX_WALK_CANDIDATES if walk else MAX_CANDIDATES
     if width > limit:
         raise ValueError(f"{width} candidates per head; accepted: at most {limit} (the torch twin takes more)")
@@ -632,13 +633,13 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
     pad = max(16, triton.next_power_of_2(width))
     _label_candidates[(count * n_heads,)](
-        query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, ranked,
-        codes.shape[2], heavy, width, *strides, candidates.stride(0), candidates.stride(1),
+        query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best,
+        codes.shape[2], heavy, width, top, *strides, candidates.stride(0), candidates.stride(1),
         HEADS=n_heads, R=r, BITS=bits, LOAD_BYTES=load_bytes, GROUP=group,
         PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None, C_PAD=pad,
         TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, num_warps=num_warps or max(4, min(16, pad // 512)),
     )
-    return out, ranked
+    return out, best
 
 
 def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, scale: torch.Tensor | None,

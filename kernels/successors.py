@@ -14,38 +14,41 @@ from .critical_indices import NO_TOKEN
 from .dispatch import use_triton
 
 
-def with_successors(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor
+def with_successors(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor, top: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The columns walked with their successors, and ranked (contract: `with_successors_torch`); Triton for CUDA
-    tensors."""
+    """The columns walked with their successors, and the best `top` of them (contract: `with_successors_torch`);
+    Triton for CUDA tensors."""
     if use_triton(columns):
         from .successors_triton import with_successors_triton
 
-        return with_successors_triton(columns, scores, window)
-    return with_successors_torch(columns, scores, window)
+        return with_successors_triton(columns, scores, window, top)
+    return with_successors_torch(columns, scores, window, top)
 
 
-def with_successors_torch(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor
+def with_successors_torch(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor, top: int = 0
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """A selection's top columns walked in rank order, each taken with its successor, until k are taken.
 
-    The walk: in rank order (score descending, then the smaller column first; ``NO_TOKEN`` entries last and
-    never taken), take the column unless it is taken (the successor, in the window, of a column ranked before
-    it), then its successor (column + 1) where it lies in the window and is not taken (a column ranked
-    before it); stop when k slots are taken. The k columns given always fill the k slots (each adds itself
-    or was taken as a successor), so the walk never looks past them; without adjacent columns it takes the
-    top ceil(k / 2) and their successors.
+    The walk: in rank order (score descending, then the smaller column first; ``NO_TOKEN`` entries never
+    taken), take the column unless it is taken (the successor, in the window, of a column ranked before it),
+    then its successor (column + 1) where it lies in the window and is not taken (a column ranked before it);
+    stop when k slots are taken. The k columns given always fill the k slots (each adds itself or was taken as
+    a successor), so the walk never looks past them; without adjacent columns it takes the top ceil(k / 2)
+    and their successors.
 
     Args:
         columns: ``[B', H, k]`` int64, distinct per (row, head), ``NO_TOKEN`` allowed; the columns in the
             window a selection ranks highest, in any order.
         scores: ``[B', H, k]`` their scores (any float dtype; compared as float32, -0.0 as +0.0).
         window: ``[B', n]`` bool, the selectable columns of each row.
+        top: how many of the given columns to return by rank (a selection's own top columns, as many as it
+            wants, without ranking them again).
 
     Returns:
-        ``(taken, ranked)``, ``[B', H, k]`` int64 each: the columns taken, in the order taken (``NO_TOKEN`` in
-        slots left when fewer than k columns were given), and the given columns in rank order (``NO_TOKEN``
-        last): a selection's own top columns, as many as it wants, without ranking them again.
+        ``(taken, best)``: ``[B', H, k]`` int64, the columns taken, ascending (``NO_TOKEN`` in the slots left
+        when fewer than k columns were given), and ``[B', H, top]`` int64, the first `top` given columns in
+        rank order, ascending (``NO_TOKEN`` after them). Sets, in column order: no consumer needs the walk's
+        order, and the kernel then needs no sort of ranks.
     """
     rows, heads, k = columns.shape
     n = window.shape[-1]
@@ -84,4 +87,13 @@ def with_successors_torch(columns: torch.Tensor, scores: torch.Tensor, window: t
     out.scatter_(-1, own_slot, ranked)
     follow_slot = start + own.long()
     out.scatter_(-1, torch.where(follows & (follow_slot < k), follow_slot, k), ranked + 1)
-    return out[..., :k], ranked
+    best = torch.full((rows, heads, top), NO_TOKEN, dtype=columns.dtype, device=columns.device)
+    best[..., : min(top, k)] = ranked[..., :top]
+    return _ascending(out[..., :k]), _ascending(best)
+
+
+def _ascending(columns: torch.Tensor) -> torch.Tensor:
+    """Each row of columns ascending, ``NO_TOKEN`` entries after them."""
+    last = torch.iinfo(columns.dtype).max
+    ordered = torch.where(columns >= 0, columns, last).sort(-1).values
+    return torch.where(ordered == last, NO_TOKEN, ordered)

@@ -1,19 +1,19 @@
-"""Triton successors: one launch per selecting layer instead of a few sorts and a few dozen small kernels.
+"""Triton successors: one launch per selecting layer, without sorting ranks.
 
 Twin of `successors.with_successors_torch`. Program (row, head) holds its k columns and scores in registers
 (`_walk`, also the end of `label_topk_triton`'s fused candidate walk) in column order (given so, or sorted
-into it first: one sort of (column, score key) packed in int64):
+into it first: one sort of (column, score key) packed in int64). The walk needs no rank order:
 
-1. rank order: one ascending sort of int64 keys (given last, score descending as an order-preserving int32
-   key, position ascending: the smaller column first among ties); the ranked columns are written;
-2. each entry's rank, by writing the sort's positions at the entries' slots of the output row (a scratch,
-   read back after a barrier); in column order an entry's neighbours are the entries beside it, so
-   whether a column was taken as its predecessor's successor and whether its successor is free are
-   comparisons with them;
-3. those two flags moved to rank order through the same scratch: a cumulative sum gives each ranked
-   column its first slot.
+1. whether a column was taken as its predecessor's successor, and whether its successor is free, compare it
+   with the entries beside it (in column order, column - 1 and column + 1 are there if given): a neighbour is
+   ranked before it where its score key is higher, or equal with the smaller column;
+2. each column then costs 0, 1 or 2 slots, whatever the walk takes before it. The walk stops at the score
+   key t where the columns ranked at or above it first cost k slots: a binary search over the keys
+   (`_key_reaching`, 33 block sums). Columns above t take their slots, the columns at t take what is left
+   in column order (their rank order), the last of them perhaps its own slot only;
+3. the slots are a cumulative sum in column order, so the taken columns come out ascending.
 
-The walk's slots are contiguous from 0: the taken columns are written there, ``NO_TOKEN`` after them.
+The best `top` given columns: the same search counting columns, ties in column order, written ascending.
 """
 
 from __future__ import annotations
@@ -22,15 +22,26 @@ import torch
 import triton
 import triton.language as tl
 
-COLUMN_BITS = 24  # columns < 2**24 in the packed sort keys
-RANK_BITS = 16  # k < 2**16
+COLUMN_BITS = 24  # columns < 2**24 in the packed sort key
 
 
 @triton.jit
-def _walk(out, ranked_out, columns, key, given, window_row, n, K, K_P: tl.constexpr, ASCENDING: tl.constexpr):
-    """Write the walk of one (row, head) at ``out[0:K)`` and the given columns in rank order at
-    ``ranked_out[0:K)``: columns ``[K_P]`` int64 with their order-preserving int32 score keys, `given` where an
-    entry takes part; `window_row` the row's selectable columns (nonzero). ASCENDING: the columns are
+def _key_reaching(key, weight, need, lo, hi):
+    """The largest key t in ``[lo, hi)`` (int64) with ``sum(weight where key >= t) >= need``, given that the sum
+    at `lo` reaches it (else `lo`) and at `hi` does not: a binary search, 33 halvings of an int32 range."""
+    for _ in range(33):
+        mid = (lo + hi) >> 1
+        reach = tl.sum(tl.where(key >= mid, weight, 0), 0) >= need
+        lo = tl.where(reach, mid, lo)
+        hi = tl.where(reach, hi, mid)
+    return lo
+
+
+@triton.jit
+def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.constexpr, ASCENDING: tl.constexpr):
+    """Write the walk of one (row, head) at ``out[0:K)`` and its best `TOP` given columns at ``best_out[0:TOP)``,
+    each ascending, then NO_TOKEN: columns ``[K_P]`` int64 with their order-preserving int32 score keys, `given`
+    where an entry takes part; `window_row` the row's selectable columns (nonzero). ASCENDING: the columns are
     ascending and distinct, negative entries (never given) only after them; otherwise any order."""
     i = tl.arange(0, K_P)
     if not ASCENDING:  # column order first, not-given entries last
@@ -38,47 +49,51 @@ def _walk(out, ranked_out, columns, key, given, window_row, n, K, K_P: tl.conste
         columns = packed >> 32
         key = packed.to(tl.int32)  # the low 32 bits
         given = columns < (1 << 24) - 1
-    # 1. rank order: given first, score descending, position (column) ascending; the rest by position, so
-    # that entries [0, K) take ranks [0, K)
-    descending = tl.where(given, 0x7FFFFFFF - key.to(tl.int64), 0)  # in [0, 2**32)
-    ranked = tl.sort((tl.where(given, 0, 1).to(tl.int64) << 56) | (descending << 24) | i)
-    position = (ranked & ((1 << 24) - 1)).to(tl.int32)
-    ranked_column = tl.gather(columns, position, 0)
-    tl.store(ranked_out + i, tl.where(ranked < (1 << 56), ranked_column, -1), mask=i < K)
-    # 2. each entry's rank (the inverse permutation, through the output row), then its neighbours' ranks
-    tl.store(out + position, i.to(tl.int64), mask=position < K)
-    tl.debug_barrier()
-    rank = tl.load(out + i, mask=i < K, other=K_P, cache_modifier=".cg").to(tl.int32)
+    key = tl.where(given, key, -2147483648).to(tl.int64)
+    flag = given.to(tl.int32)
     before = tl.maximum(i - 1, 0)
     after = tl.minimum(i + 1, K_P - 1)
-    # taken already where it is the successor, in the window, of the column before it ranked before it
-    earlier = given & (i > 0) & (tl.gather(columns, before, 0) == columns - 1) & (tl.gather(rank, before, 0) < rank)
+    # 1. taken already where it is the successor, in the window, of the column before it ranked before it
+    earlier = (given & (i > 0) & (tl.gather(flag, before, 0) != 0) & (tl.gather(columns, before, 0) == columns - 1)
+               & (tl.gather(key, before, 0) >= key))
     earlier = tl.load(window_row + tl.where(earlier, columns, 0), mask=earlier, other=0) != 0
     own = given & ~earlier
     successor = columns + 1
     inside = given & (successor < n)
     inside = tl.load(window_row + tl.where(inside, successor, 0), mask=inside, other=0) != 0
-    follows = inside & ~((i + 1 < K_P) & (tl.gather(columns, after, 0) == successor)
-                         & (tl.gather(rank, after, 0) < rank))
-    # 3. the flags in rank order (through the output row again), each ranked column's first slot
-    tl.debug_barrier()  # every rank read before the row is written again
-    tl.store(out + rank, (own.to(tl.int64) << 1) | follows.to(tl.int64), mask=i < K)
-    tl.debug_barrier()
-    flags = tl.load(out + i, mask=i < K, other=0, cache_modifier=".cg")
-    tl.debug_barrier()  # every flag read before the walk is written
-    own_r = (flags >> 1) & 1
-    follows_r = flags & 1
-    cost = own_r + follows_r
-    start = tl.cumsum(cost, 0) - cost
-    total = tl.sum(cost, 0)
-    tl.store(out + start, ranked_column, mask=(own_r != 0) & (start < K))
-    tl.store(out + start + own_r, ranked_column + 1, mask=(follows_r != 0) & (start + own_r < K))
-    tl.store(out + i, tl.full([K_P], -1, tl.int64), mask=(i >= total) & (i < K))
+    follows = inside & ~((i + 1 < K_P) & (tl.gather(flag, after, 0) != 0)
+                         & (tl.gather(columns, after, 0) == successor) & (tl.gather(key, after, 0) > key))
+    cost = own.to(tl.int32) + follows.to(tl.int32)
+    # 2. the key where the walk stops, and what the columns at it take (in column order = rank order)
+    lo = tl.min(tl.where(given, key, 2147483647), 0)
+    hi = tl.max(tl.where(given, key, -2147483648), 0) + 1
+    stop = _key_reaching(key, cost, K, lo, hi)
+    above = given & (key > stop)
+    tie = given & (key == stop)
+    room = K - tl.sum(tl.where(above, cost, 0), 0)
+    tie_cost = tl.where(tie, cost, 0)
+    take = tl.where(above, cost, tl.minimum(tl.maximum(room - (tl.cumsum(tie_cost, 0) - tie_cost), 0), tie_cost))
+    own_taken = own & (take >= 1)
+    follows_taken = follows & (take == cost) & (take >= 1)
+    # 3. slots in column order
+    count = own_taken.to(tl.int32) + follows_taken.to(tl.int32)
+    start = tl.cumsum(count, 0) - count
+    tl.store(out + start, columns, mask=own_taken)
+    tl.store(out + start + own_taken.to(tl.int32), successor, mask=follows_taken)
+    tl.store(out + i, tl.full([K_P], -1, tl.int64), mask=(i >= tl.sum(count, 0)) & (i < K))
+    if TOP > 0:  # the best TOP given columns
+        best = _key_reaching(key, flag, TOP, lo, hi)
+        tie = given & (key == best)
+        chosen = (given & (key > best)) | (tie & (tl.cumsum(tie.to(tl.int32), 0)
+                                                  <= TOP - tl.sum((given & (key > best)).to(tl.int32), 0)))
+        slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+        tl.store(best_out + slot, columns, mask=chosen)
+        tl.store(best_out + i, tl.full([K_P], -1, tl.int64), mask=(i >= tl.sum(chosen.to(tl.int32), 0)) & (i < TOP))
 
 
 @triton.jit
 def _with_successors(
-    columns_ptr, scores_ptr, window_ptr, out_ptr, ranked_ptr, n, s_cb, s_ch, s_sb, s_sh, s_wb, s_ob, s_oh,
+    columns_ptr, scores_ptr, window_ptr, out_ptr, best_ptr, n, top, s_cb, s_ch, s_sb, s_sh, s_wb, s_ob, s_oh,
     HEADS: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -89,21 +104,21 @@ def _with_successors(
     score = tl.load(scores_ptr + row * s_sb + head * s_sh + i, mask=i < K, other=0.0).to(tl.float32)
     bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving int32 of the float
-    _walk(out_ptr + row * s_ob + head * s_oh, ranked_ptr + row * s_ob + head * s_oh, columns, key, columns >= 0,
-          window_ptr + row * s_wb, n, K, K_P, False)
+    _walk(out_ptr + row * s_ob + head * s_oh, best_ptr + pid.to(tl.int64) * top, columns, key, columns >= 0,
+          window_ptr + row * s_wb, n, K, top, K_P, False)
 
 
-def with_successors_triton(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor
+def with_successors_triton(columns: torch.Tensor, scores: torch.Tensor, window: torch.Tensor, top: int = 0
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `successors.with_successors_torch`."""
     batch, heads, k = columns.shape
-    if window.shape[-1] >= (1 << COLUMN_BITS) - 1 or k >= 1 << RANK_BITS:
-        raise ValueError(f"with_successors_triton: {window.shape[-1]} columns and k = {k} are invalid; accepted: "
-                         f"fewer than {(1 << COLUMN_BITS) - 1} columns and k < {1 << RANK_BITS}")
+    if window.shape[-1] >= (1 << COLUMN_BITS) - 1:
+        raise ValueError(f"with_successors_triton: {window.shape[-1]} columns; accepted: fewer than "
+                         f"{(1 << COLUMN_BITS) - 1} (the torch twin takes more)")
     out = torch.empty(batch, heads, k, dtype=columns.dtype, device=columns.device)
-    ranked = torch.empty_like(out)
+    best = torch.full((batch, heads, top), -1, dtype=columns.dtype, device=columns.device)
     if batch * heads == 0 or k == 0:
-        return out, ranked
+        return out, best
     if columns.stride(-1) != 1:
         columns = columns.contiguous()
     if scores.stride(-1) != 1:
@@ -111,8 +126,8 @@ def with_successors_triton(columns: torch.Tensor, scores: torch.Tensor, window: 
     if window.stride(-1) != 1:
         window = window.contiguous()
     _with_successors[(batch * heads,)](
-        columns, scores, window, out, ranked, window.shape[-1], columns.stride(0), columns.stride(1), scores.stride(0),
-        scores.stride(1), window.stride(0), out.stride(0), out.stride(1),
-        HEADS=heads, K=k, K_P=triton.next_power_of_2(max(k, 2)),
+        columns, scores, window, out, best, window.shape[-1], top, columns.stride(0), columns.stride(1),
+        scores.stride(0), scores.stride(1), window.stride(0), out.stride(0), out.stride(1),
+        HEADS=heads, K=k, K_P=triton.next_power_of_2(max(k, top, 2)),
     )
-    return out, ranked
+    return out, best

@@ -424,20 +424,24 @@ def check_successor_walk(columns: torch.Tensor, scores: torch.Tensor, window: to
                          out: tuple[torch.Tensor, torch.Tensor]) -> None:
     """`with_successors` contract, walked one column at a time: in rank order (score descending, the smaller
     column first among ties), each column unless taken, then its successor in the window unless taken, until
-    k are taken; the taken columns in that order, NO_TOKEN after them; and the given columns in rank order."""
+    k are taken; the taken columns ascending, NO_TOKEN after them; and the best ``top`` (the second output's
+    width) given columns by that rank order, ascending, NO_TOKEN after them."""
     n, k = window.shape[-1], columns.shape[-1]
-    out, ranked = out
+    out, best = out
+    top = best.shape[-1]
     for b in range(columns.shape[0]):
         for h in range(columns.shape[1]):
             given = sorted((-float(s), int(c)) for c, s in zip(columns[b, h], scores[b, h].float()) if c >= 0)
-            assert ranked[b, h].tolist() == [c for _, c in given] + [-1] * (k - len(given)), "rank order differs"
+            leading = sorted(c for _, c in given[:top])
+            assert best[b, h].tolist() == leading + [-1] * (top - len(leading)), "best columns differ"
             taken: list[int] = []
             for _, c in given:
                 for column in (c, c + 1):
                     inside = column == c or (column < n and bool(window[b, column]))
                     if len(taken) < k and inside and column not in taken:
                         taken.append(column)
-            assert out[b, h].tolist() == taken + [-1] * (k - len(taken)), "successor walk differs from brute force"
+            assert out[b, h].tolist() == sorted(taken) + [-1] * (k - len(taken)), \
+                "successor walk differs from brute force"
 
 
 class SelectionSpy:
@@ -511,8 +515,8 @@ class SelectionSpy:
 
         original_walk = policy.with_successors
 
-        def walk(columns, scores, window):
-            out = original_walk(columns, scores, window)
+        def walk(columns, scores, window, top=0):
+            out = original_walk(columns, scores, window, top)
             assert spy.successors, "successors walked without SharingConfig.successors"
             spy.walk_calls += 1
             check_successor_walk(columns.cpu(), scores.cpu(), window.cpu(), (out[0].cpu(), out[1].cpu()))
@@ -524,14 +528,14 @@ class SelectionSpy:
         original_label_walk = labels.candidate_label_walk
 
         def label_walk(query, channels, codes, scale, zero, bits, candidates, selectable, rows=None, heads=None, *,
-                       ascending=False):
+                       top=0, ascending=False):
             if ascending:  # the caller's promise: each list ascending, negative entries after the columns
                 real = candidates >= 0
                 assert not bool((~real[..., :-1] & real[..., 1:]).any()), "a column after a negative entry"
                 assert not bool((real[..., 1:] & (candidates[..., 1:] <= candidates[..., :-1])).any()), \
                     "candidates promised ascending are not"
             out = original_label_walk(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads,
-                                      ascending=ascending)
+                                      top=top, ascending=ascending)
             assert spy.successors, "successors walked without SharingConfig.successors"
             spy.walk_calls += 1
             scores = candidate_label_scores(query, channels, codes, scale, zero, bits, candidates, rows, heads)

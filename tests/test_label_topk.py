@@ -322,7 +322,8 @@ def test_candidate_walk_twin_is_the_brute_force_walk(bits):
     from hshare.kernels.label_topk import candidate_label_walk_torch
 
     query, channels, codes, scale, zero, rows, heads, candidates, selectable = walk_case(bits)
-    got = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads)
+    got = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads,
+                                     top=5)
     labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
     scores = brute_force_scores(labels, codes, scale, zero, bits, rows, heads).gather(-1, candidates.clamp(min=0))
     check_successor_walk(candidates.cpu(), scores.cpu(), selectable.cpu(), (got[0].cpu(), got[1].cpu()))
@@ -344,8 +345,9 @@ def test_candidate_walk_triton_matches_twin(bits, dtype, ascending):
         candidates = torch.where(candidates < last, candidates, NO_TOKEN)
         assert bool((candidates[..., :-1] == NO_TOKEN).any())  # some lists end early
     got = candidate_label_walk_triton(query, channels, codes, scale, zero, bits, candidates, rows, heads, selectable,
-                                      ascending=ascending)
-    want = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads)
+                                      7, ascending=ascending)
+    want = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads,
+                                      7)
     for got_part, want_part in zip(got, want):  # the scores' rounding differs, their order here does not
         assert torch.equal(got_part, want_part)
     shared = heads[:1, :1]  # one head list for every row (stride 0), and a candidate list of another width

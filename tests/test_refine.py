@@ -106,17 +106,17 @@ def test_with_successors_by_hand():
     scores = torch.tensor([[[4.0, 3.0, 2.0, 1.0], [1.0, 4.0, 3.0, 2.0], [1.0, 5.0, 2.0, 3.0], [0.0, -0.0, 7.0, 7.0]]])
     window = torch.ones(1, 10, dtype=torch.bool)
     window[0, 6] = False
-    got, ranked = with_successors(columns, scores, window)
-    assert got.tolist() == [[
-        [5, 2, 3, 4],  # 5 (its successor 6 outside the window), 2 and 3, then 3 is taken: its successor 4
+    got, best = with_successors(columns, scores, window, 2)
+    assert got.tolist() == [[  # the walk's set, ascending
+        [2, 3, 4, 5],  # 5 (its successor 6 outside the window), 2 and 3, then 3 is taken: its successor 4
         [0, 1, 2, 8],  # 0 and 1, then 1 is taken: 2; 8 fills the last slot without its successor 9
-        [9, 2, 3, 7],  # NO_TOKEN never ranks: 9 (10 is past the last column), 2 and 3, then 7
+        [2, 3, 7, 9],  # NO_TOKEN never ranks: 9 (10 is past the last column), 2 and 3, then 7
         [1, 2, 4, 5],  # a tie (0.0 and -0.0): the smaller column first
     ]]
-    assert ranked.tolist() == [[[5, 2, 3, 9], [0, 1, 8, 9], [9, 2, 7, NO_TOKEN], [1, 4, NO_TOKEN, NO_TOKEN]]]
+    assert best.tolist() == [[[2, 5], [0, 1], [2, 9], [1, 4]]]  # the two best given columns, ascending
     fewer = torch.tensor([[[NO_TOKEN, NO_TOKEN, 3]]])
-    got, ranked = with_successors(fewer, torch.zeros(1, 1, 3), window)
-    assert got.tolist() == [[[3, 4, NO_TOKEN]]] and ranked.tolist() == [[[3, NO_TOKEN, NO_TOKEN]]]
+    got, best = with_successors(fewer, torch.zeros(1, 1, 3), window, 2)
+    assert got.tolist() == [[[3, 4, NO_TOKEN]]] and best.tolist() == [[[3, NO_TOKEN]]]
 
 
 def test_with_successors_is_the_brute_force_walk():
@@ -133,7 +133,8 @@ def test_with_successors_is_the_brute_force_walk():
         scores = (torch.randint(-2, 3, (2, 3, k), generator=generator).float() if draw % 2  # ties
                   else torch.randn(2, 3, k, generator=generator))
         window = torch.rand(2, n, generator=generator) > 0.3
-        check_successor_walk(columns, scores, window, with_successors(columns, scores, window))
+        top = int(torch.randint(0, k + 1, (1,), generator=generator))
+        check_successor_walk(columns, scores, window, with_successors(columns, scores, window, top))
 
 
 def _with_successors_brute_force(ranked: list[int], count: int, window: torch.Tensor) -> set[int]:
