@@ -191,6 +191,19 @@ def test_grid_axes_and_cells():
     assert grid.grid_cells([1, 4], [4096, 1024]) == [(1, 1024), (4, 1024), (1, 4096), (4, 4096)]  # by rows x prompt
     with pytest.raises(SystemExit, match="--shapes: unknown llama9; accepted: llama2-7b"):
         grid.main(["--shapes", "llama9"])
+    with pytest.raises(SystemExit, match="override 'heavy' is not FIELD=VALUE"):
+        grid.main(["--paths", "dense,hshare-1_2-1_2-1_2@512+heavy"])
+
+
+def test_grid_smoke_runs_paths_with_overrides(tmp_path):
+    """``python -m hshare.bench.grid --smoke`` runs every cell of a preset with options after '+' and writes its
+    JSON (the tiny shape on the CPU)."""
+    paths = "dense,hshare-1_2-1_2-1_2@16+dense_fallback_mib=0"
+    assert grid.main(["--smoke", "--out", str(tmp_path), "--paths", paths, "--name", "smoke"]) == 0
+    rows = json.loads((tmp_path / "smoke.json").read_text())["generate"]
+    assert sorted({(row["path"], row["batch"], row["prompt"]) for row in rows}) == sorted(
+        (path, batch, prompt) for path in paths.split(",") for batch in (1, 2) for prompt in (40, 80))
+    assert all(not row["error"] and row["decode_tok_s"] > 0 for row in rows)
 
 
 def _row(path: str, batch: int, prompt: int, rate: float, peak: float = 20.0, error: str = "") -> GenerateRow:

@@ -33,6 +33,7 @@ import torch
 from hshare.bench import generate, roofline
 from hshare.bench.generate import GenerateRow
 from hshare.bench.results import environment
+from hshare.config import split_overrides
 
 
 def parse_tokens(text: str) -> int:
