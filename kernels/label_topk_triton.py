@@ -171,6 +171,12 @@ def _pivot(lo, hi, count_lo, count_hi, aim, total, first_value, step):
 
 
 @triton.jit
+def _sum_min_max(count_a, low_a, high_a, count_b, low_b, high_b):
+    """`tl.reduce` combine of (a sum, a minimum, a maximum) in one reduction."""
+    return count_a + count_b, tl.minimum(low_a, low_b), tl.maximum(high_a, high_b)
+
+
+@triton.jit
 def _probe(key, buf_ptr, span, pivot, FROM_BUFFER: tl.constexpr, TILE: tl.constexpr):
     """At a pivot key: the count of keys >= it, the smallest key >= it and the largest key < it, of
     the register keys ``[N]`` or of the packed candidates ``buf[0:span)`` (INT32_MIN: no key)."""
@@ -186,15 +192,12 @@ def _probe(key, buf_ptr, span, pivot, FROM_BUFFER: tl.constexpr, TILE: tl.conste
             count += at_least.to(tl.int32)
             up = tl.minimum(up, tl.where(at_least, tile_key, 2147483647))
             down = tl.maximum(down, tl.where(at_least, -2147483648, tile_key))
-        count = tl.sum(count, 0)
-        up = tl.min(up, 0)
-        down = tl.max(down, 0)
     else:
         at_least = key >= pivot
-        count = tl.sum(at_least.to(tl.int32), 0)
-        up = tl.min(tl.where(at_least, key, 2147483647), 0)
-        down = tl.max(tl.where(at_least, -2147483648, key), 0)
-    return count, up, down
+        count = at_least.to(tl.int32)
+        up = tl.where(at_least, key, 2147483647)
+        down = tl.where(at_least, -2147483648, key)
+    return tl.reduce((count, up, down), 0, _sum_min_max)
 
 
 @triton.jit
@@ -263,12 +266,10 @@ def _top_columns(out_row, key, cols, heavy, TILE: tl.constexpr):
     """The columns `cols` of the top ``min(heavy, keys)`` of `key` (INT32_MIN: no key; ties: the first in
     order) written at ``out_row[0:heavy)`` in their order, then NO_TOKEN."""
     ok = key != -2147483648
-    count = tl.sum(ok.to(tl.int32), 0)
+    count, smallest, largest = tl.reduce((ok.to(tl.int32), tl.where(ok, key, 2147483647), key), 0, _sum_min_max)
     r = tl.minimum(count, heavy)
     taken = tl.zeros((), tl.int32)
     if r > 0:
-        largest = tl.max(key, 0)
-        smallest = tl.min(tl.where(ok, key, 2147483647), 0)
         first = _first_value(key, ok, count, r.to(tl.float32) - 0.5)
         threshold, ties = _exact_threshold(key, out_row, 0, r, smallest, count, largest.to(tl.int64) + 1,
                                            first, False, TILE)
@@ -632,12 +633,15 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
         query, channels, codes, scale, zero, bits, r, rows, heads, selectable)
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
     pad = max(16, triton.next_power_of_2(width))
+    warps = max(4, min(16, pad // 512))
+    if walk and pad >= 2048:  # the walk's searches run faster on 8 warps there (candidate_timing.py --warps)
+        warps = max(warps, 8)
     _label_candidates[(count * n_heads,)](
         query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best,
         codes.shape[2], heavy, width, top, *strides, candidates.stride(0), candidates.stride(1),
         HEADS=n_heads, R=r, BITS=bits, LOAD_BYTES=load_bytes, GROUP=group,
         PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None, C_PAD=pad,
-        TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, num_warps=num_warps or max(4, min(16, pad // 512)),
+        TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, num_warps=num_warps or warps,
     )
     return out, best
 
