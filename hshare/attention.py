@@ -140,10 +140,12 @@ def _dense_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, v
 def _keep(cache: HShareCache, layer: HShareLayer, name: str, columns: torch.Tensor) -> None:
     """Keep a selection's heavy columns ``[B, H_sel, heavy]`` (or its candidates ``[B, H_sel, C]``) as the
     layer's `name` for the query group's reuse steps. With static shapes they are written into the layer's
-    own buffer (a captured reuse step reads it)."""
+    own buffer (a captured reuse step reads it), unless they were written there already."""
     kept = getattr(layer, name)
     if cache.static is None:
         setattr(layer, name, columns)
+    elif kept is columns:  # written in place
+        return
     elif kept is None or kept.shape != columns.shape:
         setattr(layer, name, columns.clone())
     else:
@@ -238,6 +240,8 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
     if rows is None or len(rows):
         middle, source_heads, head_slot, copy_heads = _source_rows(share, window)
         sharing = {} if share.all_heads else dict(heads=source_heads, head_slot=head_slot, copy_heads=copy_heads)
+        if cache.static is not None and rows is None:  # head sharing writes into the kept buffers (`_keep`)
+            sharing["out"] = (layer.heavy, layer.candidates)
         chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows,
                                            successors=config.sharing.successors, **sharing)
         heavy, candidates = _in_batch(chosen, rows, batch), _in_batch(picked, rows, batch)

@@ -211,11 +211,13 @@ class LabelCache(SelectionPolicy):
                                     ascending=use_triton(self.codes.view()))
 
     def candidate_heavy(self, query: torch.Tensor, candidates: torch.Tensor, window: torch.Tensor, heavy: int,
-                        rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+                        rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
         """The candidates' label scores and their top `heavy` in one operation (`kernels.candidate_label_topk`;
-        CUDA: one launch, the ``[B', H', C]`` scores never written)."""
+        CUDA: one launch, the ``[B', H', C]`` scores never written; with `out`, each head's candidates read and
+        its columns written at its own head's entries)."""
         return candidate_label_topk(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
-                                    self.bits, heavy, candidates, window, rows, heads)
+                                    self.bits, heavy, candidates, window, rows, heads, out=out)
 
     def candidate_scores(self, query: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | None = None,
                          heads: torch.Tensor | None = None) -> torch.Tensor:

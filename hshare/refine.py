@@ -24,7 +24,8 @@ from hshare.selection import per_head, select_heavy
 def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torch.Tensor, count: int, heavy: int,
                       rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
                       head_slot: torch.Tensor | None = None, copy_heads: torch.Tensor | None = None,
-                      successors: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      successors: bool = False, out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """A selecting layer's heavy columns and candidates: each source head's top C of its scores of every
     column in the window, and the top `heavy` of those (= the top `heavy` of the window); with head sharing,
     each copying head's own top `heavy` among its source head's candidates.
@@ -38,6 +39,8 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
             that copy (P = 1 for a batch plan, else B').
         successors: the C candidates are the top C walked with their successors, and a source head's heavy
             columns its top `heavy` (`with_successors`: the best of the top C, without scoring them again).
+        out: buffers ``([B', H_sel, heavy], [B', H_sel, C])`` (a layer's kept ones) that the per-head results of
+            head sharing are written into when their shapes match (else new tensors are returned).
 
     Returns:
         ``(heavy, candidates)``: ``[B', H, heavy]`` and ``[B', H, C]`` int64 columns (H = n_src without
@@ -61,8 +64,6 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         chosen = top_candidates(scores.gather(-1, candidates.clamp(min=0)), candidates, candidates >= 0, heavy)
     if head_slot is None:
         return chosen, candidates
-    candidates, chosen = per_head(candidates, head_slot), per_head(chosen, head_slot)
-    copies = copy_heads.expand(chosen.shape[0], -1)
-    refined = policy.candidate_heavy(query, candidates.gather(1, copies[..., None].expand(-1, -1, count)), window,
-                                     heavy, rows=rows, heads=copy_heads)
-    return chosen.scatter(1, copies[..., None].expand(-1, -1, heavy), refined), candidates
+    candidates, chosen = per_head(candidates, head_slot, out[1]), per_head(chosen, head_slot, out[0])
+    # each copying head refines its source head's candidates (now its own entry) into its entry of `chosen`
+    return policy.candidate_heavy(query, candidates, window, heavy, rows=rows, heads=copy_heads, out=chosen), candidates

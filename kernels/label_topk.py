@@ -48,6 +48,7 @@ import torch
 from .critical_indices import NO_TOKEN
 from .dispatch import use_triton
 from .labels import candidate_label_scores, decode_query_labels, score_heads_torch
+from .selection_heads import refine_into
 from .successors import with_successors_torch
 
 
@@ -69,7 +70,6 @@ def label_topk(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
     if _runs_triton(query_labels, codes, bits, heavy, query_labels.shape[-1]):
         from .label_topk_triton import label_topk_triton
 
-        rows, heads = _index_defaults(rows, heads, query_labels.shape[0], query_labels.shape[1], codes.device)
         return label_topk_triton(query_labels, codes, scale, zero, bits, heavy, rows, heads, window, selectable)
     return label_topk_torch(query_labels, codes, scale, zero, bits, heavy, window, selectable, rows, heads)
 
@@ -93,7 +93,6 @@ def decode_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: torch.
     if _runs_triton(query, codes, bits, heavy, channels.shape[-1]):
         from .label_topk_triton import label_topk_triton
 
-        rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
         return label_topk_triton(None, codes, scale, zero, bits, heavy, rows, heads, window, selectable,
                                  query=query, channels=channels)
     return decode_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, window, selectable, rows, heads)
@@ -102,27 +101,33 @@ def decode_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: torch.
 def candidate_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                          zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor,
                          selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                         heads: torch.Tensor | None = None) -> torch.Tensor:
+                         heads: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Top-`heavy` of candidate columns by the decode query's label scores (candidate-set refinement).
 
     Args:
         query, channels, codes, scale, zero, bits, heavy, rows, heads: as `decode_label_topk`.
         candidates: ``[A, H', C]`` candidate columns per (row, head); a negative entry is no candidate.
         selectable: ``[A, n]`` bool, the columns a candidate must lie in (None = all).
+        out: ``[A, H_sel, heavy]`` int64: then `candidates` are every selection head's ``[A, H_sel, C]``, and
+            each of the heads `heads` (required) refines its own and writes its entries of `out` in place.
 
     Returns:
-        ``[A, H', heavy]`` int64: the columns of the ``min(heavy, allowed)`` best-scored allowed candidates
-        (in a selectable column, finite score) in candidate order, then ``NO_TOKEN``; among equal scores at
-        the heavy-th the earlier candidates are chosen. Only the candidates' label rows are read (CUDA: one
-        Triton launch, `label_topk_triton.candidate_label_topk_triton`, up to its ``MAX_CANDIDATES``; wider: the
-        twin, with a RuntimeWarning).
+        ``[A, H', heavy]`` int64 (or `out`): the columns of the ``min(heavy, allowed)`` best-scored allowed
+        candidates (in a selectable column, finite score) in candidate order, then ``NO_TOKEN``; among equal
+        scores at the heavy-th the earlier candidates are chosen. Only the candidates' label rows are read (CUDA:
+        one Triton launch, `label_topk_triton.candidate_label_topk_triton`, up to its ``MAX_CANDIDATES``; wider:
+        the twin, with a RuntimeWarning).
     """
+    if out is not None and heads is None:
+        raise ValueError("candidate_label_topk: out= refines some heads in place; accepted: heads [A or 1, H'] given")
     if _runs_triton(query, codes, bits, heavy, channels.shape[-1]) and _candidates_fit(candidates.shape[-1], False):
         from .label_topk_triton import candidate_label_topk_triton
 
-        rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
         return candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads,
-                                           selectable)
+                                           selectable, out=out)
+    if out is not None:
+        return refine_into(out, candidates, heads, lambda own: candidate_label_topk_torch(
+            query, channels, codes, scale, zero, bits, heavy, own, selectable, rows, heads))
     return candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, selectable,
                                       rows, heads)
 
@@ -166,7 +171,6 @@ def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: tor
     if _runs_triton(query, codes, bits, width, channels.shape[-1]) and _candidates_fit(width, True):
         from .label_topk_triton import candidate_label_walk_triton
 
-        rows, heads = _index_defaults(rows, heads, query.shape[0], channels.shape[1], codes.device)
         return candidate_label_walk_triton(query, channels, codes, scale, zero, bits, candidates, rows, heads,
                                            selectable, top, ascending=ascending)
     return candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads,
@@ -286,11 +290,3 @@ def _candidates_fit(width: int, walk: bool) -> bool:
                   f"torch twin scores them, slower (accepted on the kernels: sharing.candidates x heavy <= {limit})",
                   RuntimeWarning, stacklevel=3)
     return False
-
-
-def _index_defaults(rows: torch.Tensor | None, heads: torch.Tensor | None, count: int, n_heads: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rows` ``[A]`` and `heads` ``[A or 1, H']`` index tensors (all rows / all heads when None)."""
-    rows = torch.arange(count, device=device) if rows is None else rows
-    heads = torch.arange(n_heads, device=device)[None] if heads is None else heads
-    return rows, heads

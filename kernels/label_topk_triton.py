@@ -3,18 +3,10 @@
 A selection step's top-`heavy` columns of each (row, source head) straight from the label cache: the
 ``[A, H, n]`` scores are never written. Columns are cut into chunks (`CHUNK`, more for rows longer
 than `MAX_CHUNKS` chunks); a chunk's scores exist only in the registers of the program that computed
-them. Scores are compared as order-preserving int32 *keys* of their fp32 values (-0.0 as +0.0); a
-column outside the window, unselectable or scored non-finite has no key (``INT32_MIN``, never
-counted).
+them. Scores are compared as order-preserving int32 *keys* (`key_search_triton`); a column outside the
+window, unselectable or scored non-finite has no key (``INT32_MIN``, never counted).
 
-The search (`_exact_threshold`): for a target count r, keys ``lo < hi`` with at least r keys at or
-above `lo` and fewer at or above `hi`; each step probes a pivot key (first the scores' mean + std
-times the normal quantile of r / count, then linear interpolation of the score in the normal
-quantiles of the counts at the ends, every third step the middle of the key range) with one pass of
-three block reductions (count >= pivot, the nearest key above, the nearest below) and moves an end
-onto the nearest key on its side. It ends when exactly r keys lie at or above `lo`, or no key lies
-between the ends (then the keys equal to `lo` are ties: the first in column order are taken). Few
-steps at the scores' distributions; the key range halves at least every three steps.
+The search for an exact r-th key is `key_search_triton._exact_threshold`.
 
 * One chunk (``n <= chunk``): one launch of `_label_topk_sketch` with ``SINGLE``. Program (row, head)
   scores the row, searches its exact heavy-th key and writes the columns above it, then the first
@@ -58,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .key_search_triton import (SENTINEL, _exact_threshold, _fill_empty, _first_value, _key_value, _pivot, _probit,
+                                _top_columns, _write_columns)
 from .labels_triton import kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
 
@@ -68,8 +62,6 @@ MAX_CANDIDATES = 16384  # candidate columns per (row, head) that `candidate_labe
 MAX_WALK_CANDIDATES = 8192  # the same for `candidate_label_walk_triton` (a register sort; wider ones: the twin)
 LEVELS = 4  # target ranks per chunk sketch
 SKETCH = 16  # int32 fields per (row-head, chunk) sketch: LEVELS keys, LEVELS counts, count, max, min
-SENTINEL = tl.constexpr(-(1 << 63))  # an empty candidate slot (its key is INT32_MIN)
-NO_TOKEN = tl.constexpr(-1)
 
 
 @triton.jit
@@ -135,149 +127,6 @@ def _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr,
 
 
 @triton.jit
-def _key_value(key):
-    """fp32 score of an order-preserving int32 key."""
-    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _probit(fraction):
-    """z with P(Z > z) = fraction for a standard normal Z (Abramowitz-Stegun 26.2.23, |error| < 5e-4)."""
-    q = tl.minimum(tl.maximum(tl.minimum(fraction, 1.0 - fraction), 1e-9), 0.5)
-    t = tl.sqrt(-2.0 * tl.log(q))
-    z = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)))
-    return tl.where(fraction < 0.5, z, -z)
-
-
-@triton.jit
-def _pivot(lo, hi, count_lo, count_hi, aim, total, first_value, step):
-    """A key strictly inside ``(lo, hi)`` (int64, ``hi - lo >= 2``) at which about `aim` of the
-    `total` keys should lie at or above. Step 0 takes `first_value` (the keys' mean + std times the
-    normal quantile of aim / total); later steps interpolate the value linearly in the normal
-    quantiles of the counts at the ends (exact for a normal tail); every third step bisects the key
-    range instead, so that the range halves at least every three steps."""
-    middle = lo + (hi - lo) // 2
-    low_value = _key_value(lo.to(tl.int32))
-    high_value = _key_value(hi.to(tl.int32))
-    z_low = _probit(count_lo.to(tl.float32) / total)
-    z_high = _probit(tl.maximum(count_hi.to(tl.float32), 0.5) / total)
-    value = low_value + (high_value - low_value) * (_probit(aim / total) - z_low) / (z_high - z_low)
-    value = tl.where(step == 0, first_value, value)
-    bits = value.to(tl.int32, bitcast=True)
-    guess = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-    guess = tl.where(tl.abs(value) < float("inf"), guess, middle)  # an infinite end or NaN: bisect
-    guess = tl.minimum(tl.maximum(guess, lo + 1), hi - 1)
-    return tl.where(step % 3 == 2, middle, guess)
-
-
-@triton.jit
-def _sum_min_max(count_a, low_a, high_a, count_b, low_b, high_b):
-    """`tl.reduce` combine of (a sum, a minimum, a maximum) in one reduction."""
-    return count_a + count_b, tl.minimum(low_a, low_b), tl.maximum(high_a, high_b)
-
-
-@triton.jit
-def _probe(key, buf_ptr, span, pivot, FROM_BUFFER: tl.constexpr, TILE: tl.constexpr):
-    """At a pivot key: the count of keys >= it, the smallest key >= it and the largest key < it, of
-    the register keys ``[N]`` or of the packed candidates ``buf[0:span)`` (INT32_MIN: no key)."""
-    if FROM_BUFFER:
-        count = tl.zeros((TILE,), tl.int32)
-        up = tl.full((TILE,), 2147483647, tl.int32)
-        down = tl.full((TILE,), -2147483648, tl.int32)
-        for t in range(0, span, TILE):
-            slots = t + tl.arange(0, TILE)
-            tile_key = (tl.load(buf_ptr + slots, mask=slots < span, other=SENTINEL, cache_modifier=".cg")
-                        >> 32).to(tl.int32)
-            at_least = tile_key >= pivot
-            count += at_least.to(tl.int32)
-            up = tl.minimum(up, tl.where(at_least, tile_key, 2147483647))
-            down = tl.maximum(down, tl.where(at_least, -2147483648, tile_key))
-    else:
-        at_least = key >= pivot
-        count = at_least.to(tl.int32)
-        up = tl.where(at_least, key, 2147483647)
-        down = tl.where(at_least, -2147483648, key)
-    return tl.reduce((count, up, down), 0, _sum_min_max)
-
-
-@triton.jit
-def _exact_threshold(key, buf_ptr, span, r, lo, count_lo, hi, first_value,
-                     FROM_BUFFER: tl.constexpr, TILE: tl.constexpr):
-    """The r-th largest key and how many of the keys equal to it to take.
-
-    `lo` is the smallest key and holds ``count_lo >= r`` keys at or above; `hi` is above every key.
-    Each step probes a `_pivot` and moves an end onto the nearest key on its side (the low end onto
-    the smallest key >= pivot, the high end one past the largest key < pivot), so the search ends as
-    soon as exactly r keys lie at or above the low end, or no key lies strictly between the ends.
-    Returns ``(T, ties)``: the top r are the keys > T and the first `ties` keys equal to T (`ties` is
-    INT32_MAX when the keys >= T are exactly r)."""
-    lo = lo.to(tl.int64)
-    hi = hi.to(tl.int64)
-    count_hi = tl.zeros((), tl.int32)
-    total = count_lo.to(tl.float32)
-    aim = r.to(tl.float32) - 0.5
-    step = tl.zeros((), tl.int32)
-    while (count_lo > r) & (hi - lo > 1):
-        pivot = _pivot(lo, hi, count_lo, count_hi, aim, total, first_value, step)
-        at_least, up, down = _probe(key, buf_ptr, span, pivot.to(tl.int32), FROM_BUFFER, TILE)
-        go_up = at_least >= r
-        lo = tl.where(go_up, up.to(tl.int64), lo)
-        count_lo = tl.where(go_up, at_least, count_lo)
-        hi = tl.where(go_up, hi, down.to(tl.int64) + 1)
-        count_hi = tl.where(go_up, count_hi, at_least)
-        step += 1
-    ties = tl.where(count_lo == r, 2147483647, r - count_hi)
-    return lo.to(tl.int32), ties
-
-
-@triton.jit
-def _first_value(key, ok, count, aim):
-    """Mean + std * (normal quantile of aim / count) of the scores of the keys where `ok` (count > 0):
-    the first pivot of a search; `aim` may be a vector of targets."""
-    values = _key_value(key)
-    shift = tl.sum(tl.where(ok, values, 0.0), 0) / count.to(tl.float32)
-    centered = tl.where(ok, values - shift, 0.0)
-    std = tl.sqrt(tl.sum(centered * centered, 0) / count.to(tl.float32))
-    return shift + std * _probit(aim / count.to(tl.float32))
-
-
-@triton.jit
-def _write_columns(out_row, key, col, threshold, ties, slot_base, tie_base):
-    """Write the columns of keys > threshold and of the keys equal to it ranked <= ties (counting from
-    tie_base), at slots counted from slot_base, in the tiles' order. Returns the advanced bases."""
-    tie = key == threshold
-    tie_rank = tie_base + tl.cumsum(tie.to(tl.int32), 0)
-    take = (key > threshold) | (tie & (tie_rank <= ties))
-    slot = slot_base + tl.cumsum(take.to(tl.int32), 0) - 1
-    tl.store(out_row + slot, col.to(tl.int64), mask=take)
-    return slot_base + tl.sum(take.to(tl.int32), 0), tie_base + tl.sum(tie.to(tl.int32), 0)
-
-
-@triton.jit
-def _fill_empty(out_row, first, heavy, TILE: tl.constexpr):
-    """NO_TOKEN in slots ``[first, heavy)``."""
-    for t in range(first, heavy, TILE):
-        slots = t + tl.arange(0, TILE)
-        tl.store(out_row + slots, tl.full((TILE,), NO_TOKEN, tl.int64), mask=slots < heavy)
-
-
-@triton.jit
-def _top_columns(out_row, key, cols, heavy, TILE: tl.constexpr):
-    """The columns `cols` of the top ``min(heavy, keys)`` of `key` (INT32_MIN: no key; ties: the first in
-    order) written at ``out_row[0:heavy)`` in their order, then NO_TOKEN."""
-    ok = key != -2147483648
-    count, smallest, largest = tl.reduce((ok.to(tl.int32), tl.where(ok, key, 2147483647), key), 0, _sum_min_max)
-    r = tl.minimum(count, heavy)
-    taken = tl.zeros((), tl.int32)
-    if r > 0:
-        first = _first_value(key, ok, count, r.to(tl.float32) - 0.5)
-        threshold, ties = _exact_threshold(key, out_row, 0, r, smallest, count, largest.to(tl.int64) + 1,
-                                           first, False, TILE)
-        taken, _ = _write_columns(out_row, key, cols, threshold, ties, 0, 0)
-    _fill_empty(out_row, taken, heavy, TILE)
-
-
-@triton.jit
 def _level_targets(r0, r1, r2, r3, LEVELS_: tl.constexpr):
     """The LEVELS target ranks as a vector (ascending; the last is `heavy`)."""
     levels = tl.arange(0, LEVELS_)
@@ -297,16 +146,29 @@ def _window(window_ptr, i, n, HAS_WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr,
+              HEADS_INDEXED: tl.constexpr):
+    """Row-head `pid`'s entry i of the rows, its batch row and its head (int64): read from the rows ``[A]`` and
+    heads ``[A or 1, H']`` index tensors, or (not indexed) every row and every head in order."""
+    i = (pid // HEADS).to(tl.int64)
+    row = i
+    head = (pid % HEADS).to(tl.int64)
+    if ROWS_INDEXED:
+        row = tl.load(rows_ptr + i).to(tl.int64)
+    if HEADS_INDEXED:
+        head = tl.load(heads_ptr + i * s_hb + pid % HEADS).to(tl.int64)
+    return i, row, head
+
+
+@triton.jit
 def _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr,
-                  mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb,
-                  HEADS: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, LOAD_BYTES: tl.constexpr,
-                  GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK_: tl.constexpr):
+                  mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb,
+                  s_mb, HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr,
+                  BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr,
+                  FROM_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK_: tl.constexpr):
     """Row-head `pid`'s chunk `chunk`: its columns ``[CHUNK_]`` and their keys (`_chunk_keys`); a chunk
     outside the row's window loads nothing (every column masked) and has no key."""
-    i = (pid // HEADS).to(tl.int64)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    head = tl.load(heads_ptr + i * s_hb + pid % HEADS).to(tl.int64)
+    i, row, head = _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS, ROWS_INDEXED, HEADS_INDEXED)
     start, end = _window(window_ptr, i, n, HAS_WINDOW)
     cols = chunk * CHUNK_ + tl.arange(0, CHUNK_)
     key = _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
@@ -321,8 +183,9 @@ def _label_topk_sketch(
     ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr, mask_ptr,
     sketch_ptr, done_ptr, out_ptr, n, heavy, r0, r1, r2, r3,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb,
-    HEADS: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr,
-    PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
+    HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
+    LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
     SINGLE: tl.constexpr, CHUNK_: tl.constexpr, LEVELS_: tl.constexpr, SKETCH_: tl.constexpr, TILE: tl.constexpr,
 ):
     """Program (row-head pid, chunk): the chunk's sketch, or with SINGLE (one chunk) the row's columns."""
@@ -330,8 +193,8 @@ def _label_topk_sketch(
     chunk = tl.program_id(1)
     cols, key = _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr,
                               window_ptr, mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb,
-                              s_sh, s_zb, s_zh, s_hb, s_mb, HEADS, R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS,
-                              FROM_QUERY, HAS_WINDOW, HAS_MASK, CHUNK_)
+                              s_sh, s_zb, s_zh, s_hb, s_mb, HEADS, ROWS_INDEXED, HEADS_INDEXED, R, BITS, LOAD_BYTES,
+                              GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_WINDOW, HAS_MASK, CHUNK_)
     if SINGLE:
         _top_columns(out_ptr + pid.to(tl.int64) * heavy, key, cols, heavy, TILE)
     else:
@@ -387,31 +250,32 @@ def _label_topk_sketch(
 def _label_candidates(
     query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, out_ptr,
     best_ptr, n, heavy, candidates, top,
-    s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh,
-    HEADS: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr,
-    PER_ROW_CHANNELS: tl.constexpr, HAS_MASK: tl.constexpr, C_PAD: tl.constexpr, TILE: tl.constexpr,
-    WALK: tl.constexpr, ASCENDING: tl.constexpr,
+    s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh, s_oa, s_oh,
+    HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
+    LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, HAS_MASK: tl.constexpr,
+    C_PAD: tl.constexpr, TILE: tl.constexpr, WALK: tl.constexpr, ASCENDING: tl.constexpr, BY_HEAD: tl.constexpr,
 ):
     """Program (row-head pid): the row-head's candidates' keys (a negative column, one outside the mask or
     scored non-finite has none), then its top `heavy` columns in candidate order, or (WALK, with the mask:
     the window) all of them walked with their successors, and their best `top` (`successors_triton._walk`;
     `heavy` = candidates; ASCENDING: the candidates are ascending, then negative, so not sorted into column
-    order)."""
+    order). BY_HEAD: the candidates and the output are every selection head's, and the program reads and writes
+    its own head's entry (else its position among the row's heads)."""
     pid = tl.program_id(0)
-    i = (pid // HEADS).to(tl.int64)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    head = tl.load(heads_ptr + i * s_hb + pid % HEADS).to(tl.int64)
+    i, row, head = _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS, ROWS_INDEXED, HEADS_INDEXED)
+    entry = head if BY_HEAD else (pid % HEADS).to(tl.int64)
     slots = tl.arange(0, C_PAD)
-    cols = tl.load(cand_ptr + i * s_ka + (pid % HEADS) * s_kh + slots, mask=slots < candidates, other=-1).to(tl.int32)
+    cols = tl.load(cand_ptr + i * s_ka + entry * s_kh + slots, mask=slots < candidates, other=-1).to(tl.int32)
     key = _chunk_keys(query_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
                       pid, i, row, head, cols, tl.zeros((), tl.int32), tl.zeros((), tl.int32) + n,
                       s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_mb,
                       R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
+    out_row = out_ptr + i * s_oa + entry * s_oh
     if WALK:
-        _walk(out_ptr + pid.to(tl.int64) * heavy, best_ptr + pid.to(tl.int64) * top, cols.to(tl.int64), key,
-              key != -2147483648, mask_ptr + i * s_mb, n, heavy, top, C_PAD, ASCENDING)
+        _walk(out_row, best_ptr + pid.to(tl.int64) * top, cols.to(tl.int64), key, key != -2147483648,
+              mask_ptr + i * s_mb, n, heavy, top, C_PAD, ASCENDING)
     else:
-        _top_columns(out_ptr + pid.to(tl.int64) * heavy, key, cols, heavy, TILE)
+        _top_columns(out_row, key, cols, heavy, TILE)
 
 
 @triton.jit
@@ -419,8 +283,9 @@ def _label_topk_select(
     ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr, mask_ptr,
     sketch_ptr, done_ptr, cand_ptr, out_ptr, n, heavy, chunk_cap, cand_stride,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb,
-    HEADS: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr,
-    PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
+    HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
+    LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
     CHUNK_: tl.constexpr, CHUNKS_PAD: tl.constexpr, LEVELS_: tl.constexpr, SKETCH_: tl.constexpr,
     TILE: tl.constexpr,
 ):
@@ -460,7 +325,8 @@ def _label_topk_select(
     if my_upper > 0:  # this chunk has keys >= L: score it again, write them in column order
         cols, key = _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr,
                                   window_ptr, mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn,
-                                  s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, HEADS, R, BITS, LOAD_BYTES, GROUP,
+                                  s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, HEADS, ROWS_INDEXED, HEADS_INDEXED, R, BITS,
+                                  LOAD_BYTES, GROUP,
                                   PER_ROW_CHANNELS, FROM_QUERY, HAS_WINDOW, HAS_MASK, CHUNK_)
         above = key > bound
         tie = key == bound
@@ -527,7 +393,7 @@ def _select_candidates(out_row, packed, buf_ptr, span, bound, need, FROM_BUFFER:
         mean = tl.sum(moment1, 0) / count.to(tl.float32)
         std = tl.sqrt(tl.maximum(tl.sum(moment2, 0) / count.to(tl.float32) - mean * mean, 0.0))
         first = shift + mean + std * _probit((r.to(tl.float32) - 0.5) / count.to(tl.float32))
-        threshold, ties = _exact_threshold(key, buf_ptr, span, r, bound, count, tl.max(high, 0).to(tl.int64) + 1,
+        threshold, ties = _exact_threshold(key, 1, buf_ptr, span, r, bound, count, tl.max(high, 0).to(tl.int64) + 1,
                                            first, FROM_BUFFER, TILE)
         if FROM_BUFFER:
             tie_base = tl.zeros((), tl.int32)
@@ -561,18 +427,22 @@ def sketch_levels(heavy: int, chunks: int) -> list[int]:
 
 
 def _operands(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
-              zero: torch.Tensor | None, bits: int, r: int, rows: torch.Tensor, heads: torch.Tensor,
-              selectable: torch.Tensor | None) -> tuple:
-    """What the kernels read, laid out for them: ``(code bytes, scale, zero, rows, heads [A, H'], mask,
-    load bytes, strides)``; the placeholders of absent operands are tensors the kernels never read."""
+              zero: torch.Tensor | None, bits: int, r: int, rows: torch.Tensor | None, heads: torch.Tensor | None,
+              selectable: torch.Tensor | None, count: int) -> tuple:
+    """What the kernels read for `count` rows, laid out for them: ``(code bytes, scale, zero, rows, heads [A, H'], mask,
+    load bytes, strides, index flags)``; the placeholders of absent operands (rows or heads None: every row or
+    head in order) are tensors the kernels never read."""
     if codes.stride(-1) != 1:
         raise ValueError("label codes must be contiguous in the channel dimension")
     if bits == 4 and r % 2:
         raise ValueError(f"label_channels {r} is odd; 4-bit labels hold two channels a byte")
     code_bytes = codes.view(torch.uint8)  # byte view: strides in bytes
-    heads = heads.expand(rows.shape[0], heads.shape[-1])  # any integer dtype; a shared row keeps stride 0 (no copy)
-    heads = heads if heads.stride(-1) == 1 else heads.contiguous()
-    rows = rows if rows.is_contiguous() else rows.contiguous()
+    flags = dict(ROWS_INDEXED=rows is not None, HEADS_INDEXED=heads is not None)
+    if heads is not None:
+        heads = heads.expand(count, heads.shape[-1])
+        heads = heads if heads.stride(-1) == 1 else heads.contiguous()  # any integer dtype; a shared row: stride 0
+    rows = codes if rows is None else rows if rows.is_contiguous() else rows.contiguous()
+    heads = codes if heads is None else heads
     if selectable is not None:
         mask = selectable.view(torch.uint8) if selectable.dtype == torch.bool else selectable.to(torch.uint8)
         mask = mask if mask.stride(-1) == 1 else mask.contiguous()
@@ -582,26 +452,28 @@ def _operands(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, 
     zero = zero if zero is not None else codes
     strides = (query.stride(0), query.stride(1), channels.stride(0), channels.stride(1),
                code_bytes.stride(0), code_bytes.stride(1), code_bytes.stride(2),
-               scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1), heads.stride(0),
-               mask.stride(0) if selectable is not None else 0)
-    return code_bytes, scale, zero, rows, heads, mask, _load_bytes(codes, bits, r), strides
+               scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1),
+               heads.stride(0) if flags["HEADS_INDEXED"] else 0, mask.stride(0) if selectable is not None else 0)
+    return code_bytes, scale, zero, rows, heads, mask, _load_bytes(codes, bits, r), strides, flags
 
 
 def candidate_label_topk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
                                 scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int, heavy: int,
-                                candidates: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
-                                selectable: torch.Tensor | None = None, *, tile: int | None = None,
-                                num_warps: int | None = None) -> torch.Tensor:
+                                candidates: torch.Tensor, rows: torch.Tensor | None, heads: torch.Tensor | None,
+                                selectable: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                                tile: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Same contract as `label_topk.candidate_label_topk` (``[A, H', heavy]`` int64, the chosen candidates'
-    columns in candidate order, then NO_TOKEN), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors:
-    one launch, a program per (row, head) scoring its ``C <= MAX_CANDIDATES`` candidates in registers."""
+    columns in candidate order, then NO_TOKEN; with `out`, each head's entries of every selection head's
+    candidates read and of `out` written), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors (None: all,
+    in order): one launch, a program per (row, head) scoring its ``C <= MAX_CANDIDATES`` candidates in
+    registers."""
     return _candidates(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads, selectable,
-                       False, tile, num_warps)[0]
+                       False, tile, num_warps, out=out)[0]
 
 
 def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
                                 scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
-                                candidates: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
+                                candidates: torch.Tensor, rows: torch.Tensor | None, heads: torch.Tensor | None,
                                 selectable: torch.Tensor, top: int = 0, *, ascending: bool = False,
                                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `label_topk.candidate_label_walk` (``[A, H', C]`` int64: the walk's columns ascending, then
@@ -616,21 +488,30 @@ def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, cod
 
 
 def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
-                zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor, rows: torch.Tensor,
-                heads: torch.Tensor, selectable: torch.Tensor | None, walk: bool, tile: int | None,
-                num_warps: int | None, ascending: bool = False, top: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of `_label_candidates`: ``[A, H', heavy]`` int64, and (`walk`) the best `top` candidates."""
-    count, n_heads, width = candidates.shape
-    out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=codes.device)
-    best = torch.full((count, n_heads, top), -1, dtype=torch.int64, device=codes.device)
+                zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor, rows: torch.Tensor | None,
+                heads: torch.Tensor | None, selectable: torch.Tensor | None, walk: bool, tile: int | None,
+                num_warps: int | None, ascending: bool = False, top: int = 0, out: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of `_label_candidates`: ``[A, H', heavy]`` int64 (or, in place, the heads' entries of `out`
+    ``[A, H_sel, heavy]`` from every selection head's candidates ``[A, H_sel, C]``), and (`walk`) the best `top`
+    candidates."""
+    count, width = candidates.shape[0], candidates.shape[-1]
+    by_head = out is not None
+    n_heads = heads.shape[-1] if by_head else candidates.shape[1]
+    if by_head and (out.shape != (count, candidates.shape[1], heavy) or out.dtype != torch.int64 or walk):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}; accepted: int64 {(count, candidates.shape[1], heavy)} "
+                         "(every selection head's entries), for the candidate top-k")
+    if not by_head:
+        out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=codes.device)
     if heavy == 0 or count * n_heads == 0:
-        return out, best
+        return out, torch.full((count, n_heads, top), -1, dtype=torch.int64, device=codes.device)
+    best = torch.empty(count, n_heads, top, dtype=torch.int64, device=codes.device)  # the walk writes every slot
     limit = MAX_WALK_CANDIDATES if walk else MAX_CANDIDATES
     if width > limit:
         raise ValueError(f"{width} candidates per head; accepted: at most {limit} (the torch twin takes more)")
     _, query, channels, r, group, _ = kernel_label_inputs(None, query, channels)
-    code_bytes, scale_t, zero_t, rows, heads, mask_t, load_bytes, strides = _operands(
-        query, channels, codes, scale, zero, bits, r, rows, heads, selectable)
+    code_bytes, scale_t, zero_t, rows, heads, mask_t, load_bytes, strides, flags = _operands(
+        query, channels, codes, scale, zero, bits, r, rows, heads, selectable, count)
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
     pad = max(16, triton.next_power_of_2(width))
     warps = max(4, min(16, pad // 512))
@@ -638,27 +519,32 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
         warps = max(warps, 8)
     _label_candidates[(count * n_heads,)](
         query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best,
-        codes.shape[2], heavy, width, top, *strides, candidates.stride(0), candidates.stride(1),
-        HEADS=n_heads, R=r, BITS=bits, LOAD_BYTES=load_bytes, GROUP=group,
+        codes.shape[2], heavy, width, top, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
+        out.stride(1),
+        HEADS=n_heads, R=r, BITS=bits, LOAD_BYTES=load_bytes, GROUP=group, **flags,
         PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None, C_PAD=pad,
-        TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, num_warps=num_warps or warps,
+        TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, BY_HEAD=by_head, num_warps=num_warps or warps,
     )
     return out, best
 
 
 def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, scale: torch.Tensor | None,
-                      zero: torch.Tensor | None, bits: int, heavy: int, rows: torch.Tensor, heads: torch.Tensor,
+                      zero: torch.Tensor | None, bits: int, heavy: int, rows: torch.Tensor | None,
+                      heads: torch.Tensor | None,
                       window: torch.Tensor | None = None, selectable: torch.Tensor | None = None, *,
                       query: torch.Tensor | None = None, channels: torch.Tensor | None = None,
                       chunk: int | None = None, tile: int | None = None, num_warps: int | None = None,
                       tail_warps: int | None = None) -> torch.Tensor:
     """Same contract as `label_topk.label_topk` (``[A, H', heavy]`` int64, ascending columns, then
-    NO_TOKEN), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors. Without `query_labels`, the
+    NO_TOKEN), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors (None: all, in order). Without
+    `query_labels`, the
     labels are gathered in the kernel from the decode `query` ``[B, Hq, d]`` and the heavy `channels`
     ``[P, H_sel, r]``. `chunk` (a power of two), `tile`, `num_warps` and `tail_warps` override the
     launch (tests, benchmark sweeps)."""
     n = codes.shape[2]
-    count, n_heads = rows.shape[0], heads.shape[-1]
+    count, n_heads = query_labels.shape[:2] if query_labels is not None else (query.shape[0], channels.shape[1])
+    count = rows.shape[0] if rows is not None else count
+    n_heads = heads.shape[-1] if heads is not None else n_heads
     device = codes.device
     out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=device)
     if heavy == 0 or count * n_heads == 0:
@@ -666,8 +552,8 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     labels, query, channels, r, group, from_query = kernel_label_inputs(query_labels, query, channels)
     if not from_query:  # one row of labels per program
         labels = query = channels = labels.reshape(count * n_heads, r)
-    code_bytes, scale_t, zero_t, rows, heads, mask_t, load_bytes, strides = _operands(
-        query, channels, codes, scale, zero, bits, r, rows, heads, selectable)
+    code_bytes, scale_t, zero_t, rows, heads, mask_t, load_bytes, strides, flags = _operands(
+        query, channels, codes, scale, zero, bits, r, rows, heads, selectable, count)
     has_window, has_mask = window is not None, selectable is not None
     window_t = window if not has_window or window.is_contiguous() else window.contiguous()
     window_t = window_t if has_window else rows
@@ -678,7 +564,7 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     row_heads = count * n_heads
     levels = sketch_levels(heavy, chunks)
     common = dict(
-        HEADS=n_heads, R=r, BITS=bits, LOAD_BYTES=load_bytes, GROUP=group,
+        HEADS=n_heads, R=r, BITS=bits, LOAD_BYTES=load_bytes, GROUP=group, **flags,
         PER_ROW_CHANNELS=from_query and channels.shape[0] > 1, FROM_QUERY=from_query,
         HAS_WINDOW=has_window, HAS_MASK=has_mask, CHUNK_=size, LEVELS_=LEVELS, SKETCH_=SKETCH, TILE=tile,
     )

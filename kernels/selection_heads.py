@@ -7,6 +7,8 @@ some selection heads ``[B' or 1, H']`` (None = all H_sel).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -34,3 +36,13 @@ def kv_heads_read(tensor: torch.Tensor, sel_heads: int, rows: torch.Tensor | Non
         return tensor if sel_heads == kv_heads else tensor.index_select(1, kv_of_sel)
     count = tensor.shape[0]
     return tensor[torch.arange(count, device=tensor.device)[:, None], kv_of_sel[heads.expand(count, -1)]]
+
+
+def refine_into(out: torch.Tensor, candidates: torch.Tensor, heads: torch.Tensor,
+                refine: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A refinement of some selection heads written in place: `refine` maps the candidates ``[B', H', C]`` of heads
+    ``[B' or 1, H']`` (taken from every selection head's ``[B', H_sel, C]``) to their chosen columns ``[B', H', k]``,
+    which land at those heads' rows of `out` ``[B', H_sel, k]``. Returns `out`."""
+    index = heads.expand(candidates.shape[0], -1)[..., None]
+    chosen = refine(candidates.gather(1, index.expand(-1, -1, candidates.shape[-1])))
+    return out.scatter_(1, index.expand(-1, -1, out.shape[-1]), chosen)

@@ -8,8 +8,9 @@ into it first: one sort of (column, score key) packed in int64). The walk needs 
    with the entries beside it (in column order, column - 1 and column + 1 are there if given): a neighbour is
    ranked before it where its score key is higher, or equal with the smaller column;
 2. each column then costs 0, 1 or 2 slots, whatever the walk takes before it. The walk stops at the score
-   key t where the columns ranked at or above it first cost k slots: a binary search over the keys
-   (`_key_reaching`, 33 block sums). Columns above t take their slots, the columns at t take what is left
+   key t where the columns ranked at or above it first cost k slots: the search of
+   `key_search_triton._exact_threshold` with each key weighed by its cost (a few block reductions at the
+   scores' distributions). Columns above t take their slots, the columns at t take what is left
    in column order (their rank order), the last of them perhaps its own slot only;
 3. the slots are a cumulative sum in column order, so the taken columns come out ascending.
 
@@ -22,19 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .key_search_triton import _exact_threshold, _first_value
+
 COLUMN_BITS = 24  # columns < 2**24 in the packed sort key
-
-
-@triton.jit
-def _key_reaching(key, weight, need, lo, hi):
-    """The largest key t in ``[lo, hi)`` (int64) with ``sum(weight where key >= t) >= need``, given that the sum
-    at `lo` reaches it (else `lo`) and at `hi` does not: a binary search, 33 halvings of an int32 range."""
-    for _ in range(33):
-        mid = (lo + hi) >> 1
-        reach = tl.sum(tl.where(key >= mid, weight, 0), 0) >= need
-        lo = tl.where(reach, mid, lo)
-        hi = tl.where(reach, hi, mid)
-    return lo
 
 
 @triton.jit
@@ -49,7 +40,7 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
         columns = packed >> 32
         key = packed.to(tl.int32)  # the low 32 bits
         given = columns < (1 << 24) - 1
-    key = tl.where(given, key, -2147483648).to(tl.int64)
+    key = tl.where(given, key, -2147483648).to(tl.int32)
     flag = given.to(tl.int32)
     before = tl.maximum(i - 1, 0)
     after = tl.minimum(i + 1, K_P - 1)
@@ -65,9 +56,14 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
                          & (tl.gather(columns, after, 0) == successor) & (tl.gather(key, after, 0) > key))
     cost = own.to(tl.int32) + follows.to(tl.int32)
     # 2. the key where the walk stops, and what the columns at it take (in column order = rank order)
+    # (a search over the keys weighed by their cost: its first pivot aims at K slots' share of the columns)
+    slots = tl.zeros((), tl.int32) + K
+    present = tl.maximum(tl.sum(flag, 0), 1)
     lo = tl.min(tl.where(given, key, 2147483647), 0)
-    hi = tl.max(tl.where(given, key, -2147483648), 0) + 1
-    stop = _key_reaching(key, cost, K, lo, hi)
+    hi = tl.max(key, 0).to(tl.int64) + 1
+    total = tl.sum(cost, 0)
+    guess = _first_value(key, given, present, (slots - 0.5) * present.to(tl.float32) / tl.maximum(total, 1))
+    stop, _ = _exact_threshold(key, cost, best_out, 0, slots, lo, total, hi, guess, False, K_P)
     above = given & (key > stop)
     tie = given & (key == stop)
     room = K - tl.sum(tl.where(above, cost, 0), 0)
@@ -82,10 +78,11 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
     tl.store(out + start + own_taken.to(tl.int32), successor, mask=follows_taken)
     tl.store(out + i, tl.full([K_P], -1, tl.int64), mask=(i >= tl.sum(count, 0)) & (i < K))
     if TOP > 0:  # the best TOP given columns
-        best = _key_reaching(key, flag, TOP, lo, hi)
+        top = tl.zeros((), tl.int32) + TOP
+        best, ties = _exact_threshold(key, 1, best_out, 0, top, lo, tl.sum(flag, 0), hi,
+                                      _first_value(key, given, present, top - 0.5), False, K_P)
         tie = given & (key == best)
-        chosen = (given & (key > best)) | (tie & (tl.cumsum(tie.to(tl.int32), 0)
-                                                  <= TOP - tl.sum((given & (key > best)).to(tl.int32), 0)))
+        chosen = (given & (key > best)) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= ties))
         slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
         tl.store(best_out + slot, columns, mask=chosen)
         tl.store(best_out + i, tl.full([K_P], -1, tl.int64), mask=(i >= tl.sum(chosen.to(tl.int32), 0)) & (i < TOP))

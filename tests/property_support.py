@@ -497,10 +497,15 @@ class SelectionSpy:
             return decode_heavy
 
         def checked_candidate_heavy(original):
-            def candidate_heavy(self, query, candidates, window, heavy, rows=None, heads=None):
-                out = original(self, query, candidates, window, heavy, rows, heads)
+            def candidate_heavy(self, query, candidates, window, heavy, rows=None, heads=None, out=None):
+                result = original(self, query, candidates, window, heavy, rows, heads, out=out)
                 spy.select_calls += 1
                 assert heavy == spy.heavy
+                chosen = result
+                if out is not None:  # in place: the heads' own entries of every head's candidates and of `out`
+                    index = heads.expand(candidates.shape[0], -1)[..., None]
+                    candidates = candidates.gather(1, index.expand(-1, -1, candidates.shape[-1]))
+                    chosen = result.gather(1, index.expand(-1, -1, result.shape[-1]))
                 # the candidates' own scores laid on their columns (column n: where a slot holds no candidate)
                 n = window.shape[-1]
                 slots = torch.where(candidates >= 0, candidates, torch.full_like(candidates, n))
@@ -509,8 +514,8 @@ class SelectionSpy:
                 laid.scatter_(-1, slots.cpu(), scores)
                 allowed = torch.zeros(*candidates.shape[:2], n + 1, dtype=torch.bool).scatter_(
                     -1, slots.cpu(), torch.ones_like(slots, dtype=torch.bool).cpu())[..., :n] & window[:, None].cpu()
-                check_top_k(laid[..., :n], allowed, heavy, out.cpu())
-                return out
+                check_top_k(laid[..., :n], allowed, heavy, chosen.cpu())
+                return result
             return candidate_heavy
 
         original_walk = policy.with_successors

@@ -65,7 +65,7 @@ def test_dense_graphs_equal_unpatched(dtype, lengths):
 
 
 @pytest.mark.parametrize("preset", ["ds", "hshare-1_2-1_2-1_2", "hshare-7_8-3_4-1_2", "streaming", "quest",
-                                    "quest-1_2-1_2-1_2", "hshare-refine"])
+                                    "quest-1_2-1_2-1_2", "hshare-refine", "hshare-refine-successors"])
 @pytest.mark.parametrize("scope", ["batch", "sample"])
 def test_sparse_graphs_equal_eager(preset, scope):
     model = tiny_llama(kv_heads=2, layers=4).cuda()

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from hshare.kernels import NO_TOKEN, dequantize_labels, label_scores, quantize_labels, query_labels
-from hshare.kernels.label_topk import (candidate_label_topk_torch, decode_label_topk_torch, label_topk, label_topk_torch,
-                                       select_heavy_columns_torch, window_columns)
+from hshare.kernels.label_topk import (candidate_label_topk, candidate_label_topk_torch, decode_label_topk,
+                                       decode_label_topk_torch, label_topk, label_topk_torch, select_heavy_columns_torch,
+                                       window_columns)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -294,6 +295,50 @@ def test_candidate_triton_matches_twin(bits, dtype):
             assert torch.equal(got.sort(-1).values, want.sort(-1).values)
 
 
+def test_kernels_take_every_row_and_head_without_index_tensors(monkeypatch):
+    """Without `rows` / `heads` (every row and every head, in order) the kernels read no index tensors and keep
+    the sets of the twins given those rows and heads explicitly: the decode label top-k, the candidate top-k and
+    the candidate walk."""
+    triton_or_skip()
+    from hshare.kernels.label_topk import candidate_label_walk, candidate_label_walk_torch
+
+    monkeypatch.setenv("HSHARE_KERNELS", "triton")
+    query, channels, codes, scale, zero, _, _, candidates, selectable = walk_case(4, torch.bfloat16)
+    rows = torch.arange(3, device=DEVICE)
+    heads = torch.arange(2, device=DEVICE)[None]
+    got = decode_label_topk(query, channels, codes, scale, zero, 4, 9, None, selectable)
+    assert torch.equal(got, decode_label_topk_torch(query, channels, codes, scale, zero, 4, 9, None, selectable,
+                                                    rows, heads))
+    got = candidate_label_topk(query, channels, codes, scale, zero, 4, 7, candidates, selectable)
+    want = candidate_label_topk_torch(query, channels, codes, scale, zero, 4, 7, candidates, selectable, rows, heads)
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    got = candidate_label_walk(query, channels, codes, scale, zero, 4, candidates, selectable, top=6)
+    want = candidate_label_walk_torch(query, channels, codes, scale, zero, 4, candidates, selectable, rows, heads, 6)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_candidate_topk_refines_some_heads_in_place(monkeypatch, kernels):
+    """With `out`, the heads given take their own entries of every selection head's candidates and write their
+    own entries of `out` (a copying head refining its source's candidates); the other entries stay as they were.
+    Kernel (interpreted on CPU) and twin alike."""
+    if kernels == "triton":
+        triton_or_skip()
+    monkeypatch.setenv("HSHARE_KERNELS", kernels)
+    query, channels, codes, scale, zero, rows, _, candidates, selectable = candidate_case(4, torch.bfloat16)
+    some = torch.tensor([[1], [0], [1]], device=DEVICE)  # per row: one head of two refines
+    out = torch.full((3, 2, 7), 99, dtype=torch.long, device=DEVICE)
+    got = candidate_label_topk(query, channels, codes, scale, zero, 4, 7, candidates, selectable, rows, some, out=out)
+    assert got is out
+    own = candidates.gather(1, some[..., None].expand(-1, -1, candidates.shape[-1]))
+    want = candidate_label_topk_torch(query, channels, codes, scale, zero, 4, 7, own, selectable, rows, some)
+    mine = some[..., None].expand(-1, -1, 7)
+    assert torch.equal(got.gather(1, mine).sort(-1).values, want.sort(-1).values)
+    assert bool((got.gather(1, 1 - mine) == 99).all())
+    with pytest.raises(ValueError, match="heads"):
+        candidate_label_topk(query, channels, codes, scale, zero, 4, 7, candidates, selectable, rows, out=out)
+
+
 # --- successors: a selection's top columns walked with their successors ----------------------------
 
 
@@ -380,7 +425,7 @@ def test_wide_candidate_sets_go_to_the_twin_with_a_warning(monkeypatch):
     monkeypatch.setattr(module, "use_triton", lambda tensor: True)  # as on CUDA
     launched = []
     monkeypatch.setattr(label_topk_triton, "_candidates",  # the launch, recorded and not run
-                        lambda *args: (launched.append(args[7].shape[-1]), None))
+                        lambda *args, **kwargs: (launched.append(args[7].shape[-1]), None))
     candidates = torch.randperm(n, generator=generator)[:68].view(1, 1, 68).to(DEVICE)
     with pytest.warns(RuntimeWarning, match="68 candidates .* exceed the 64 the Triton candidate walk"):
         got = candidate_label_walk(query, channels, codes, scale, zero, 8, candidates, selectable)

@@ -1,0 +1,170 @@
+"""Triton order-preserving score keys and the exact top-r search over them, shared by the fused label top-k
+(`label_topk_triton`) and the successors walk (`successors_triton`).
+
+Scores are compared as order-preserving int32 *keys* of their fp32 values (-0.0 as +0.0); an entry with no
+score has the key ``INT32_MIN`` (never counted).
+
+The search (`_exact_threshold`): for a target count r, keys ``lo < hi`` with at least r keys (or key weight)
+at or above `lo` and less at or above `hi`; each step probes a pivot key (first the scores' mean + std
+times the normal quantile of r / count, then linear interpolation of the score in the normal quantiles of
+the counts at the ends, every third step the middle of the key range) with one pass of three block
+reductions in one `tl.reduce` (count >= pivot, the nearest key above, the nearest below) and moves an end
+onto the nearest key on its side. It ends when exactly r keys lie at or above `lo`, or no key lies between
+the ends (then the keys equal to `lo` are ties: the first in column order are taken). Few steps at the
+scores' distributions; the key range halves at least every three steps.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+SENTINEL = tl.constexpr(-(1 << 63))  # an empty packed (key << 32 | column) slot (its key is INT32_MIN)
+NO_TOKEN = tl.constexpr(-1)
+
+
+@triton.jit
+def _key_value(key):
+    """fp32 score of an order-preserving int32 key."""
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _probit(fraction):
+    """z with P(Z > z) = fraction for a standard normal Z (Abramowitz-Stegun 26.2.23, |error| < 5e-4)."""
+    q = tl.minimum(tl.maximum(tl.minimum(fraction, 1.0 - fraction), 1e-9), 0.5)
+    t = tl.sqrt(-2.0 * tl.log(q))
+    z = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)))
+    return tl.where(fraction < 0.5, z, -z)
+
+
+@triton.jit
+def _pivot(lo, hi, count_lo, count_hi, aim, total, first_value, step):
+    """A key strictly inside ``(lo, hi)`` (int64, ``hi - lo >= 2``) at which about `aim` of the
+    `total` keys should lie at or above. Step 0 takes `first_value` (the keys' mean + std times the
+    normal quantile of aim / total); later steps interpolate the value linearly in the normal
+    quantiles of the counts at the ends (exact for a normal tail); every third step bisects the key
+    range instead, so that the range halves at least every three steps."""
+    middle = lo + (hi - lo) // 2
+    low_value = _key_value(lo.to(tl.int32))
+    high_value = _key_value(hi.to(tl.int32))
+    z_low = _probit(count_lo.to(tl.float32) / total)
+    z_high = _probit(tl.maximum(count_hi.to(tl.float32), 0.5) / total)
+    value = low_value + (high_value - low_value) * (_probit(aim / total) - z_low) / (z_high - z_low)
+    value = tl.where(step == 0, first_value, value)
+    bits = value.to(tl.int32, bitcast=True)
+    guess = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    guess = tl.where(tl.abs(value) < float("inf"), guess, middle)  # an infinite end or NaN: bisect
+    guess = tl.minimum(tl.maximum(guess, lo + 1), hi - 1)
+    return tl.where(step % 3 == 2, middle, guess)
+
+
+@triton.jit
+def _sum_min_max(count_a, low_a, high_a, count_b, low_b, high_b):
+    """`tl.reduce` combine of (a sum, a minimum, a maximum) in one reduction."""
+    return count_a + count_b, tl.minimum(low_a, low_b), tl.maximum(high_a, high_b)
+
+
+@triton.jit
+def _probe(key, weight, buf_ptr, span, pivot, FROM_BUFFER: tl.constexpr, TILE: tl.constexpr):
+    """At a pivot key: the count of keys >= it (of register keys, their summed `weight`: an int32 ``[N]`` or 1),
+    the smallest key >= it and the largest key < it, of the register keys ``[N]`` or of the packed candidates
+    ``buf[0:span)`` (INT32_MIN: no key)."""
+    if FROM_BUFFER:
+        count = tl.zeros((TILE,), tl.int32)
+        up = tl.full((TILE,), 2147483647, tl.int32)
+        down = tl.full((TILE,), -2147483648, tl.int32)
+        for t in range(0, span, TILE):
+            slots = t + tl.arange(0, TILE)
+            tile_key = (tl.load(buf_ptr + slots, mask=slots < span, other=SENTINEL, cache_modifier=".cg")
+                        >> 32).to(tl.int32)
+            at_least = tile_key >= pivot
+            count += at_least.to(tl.int32)
+            up = tl.minimum(up, tl.where(at_least, tile_key, 2147483647))
+            down = tl.maximum(down, tl.where(at_least, -2147483648, tile_key))
+    else:
+        at_least = key >= pivot
+        count = tl.where(at_least, weight, 0)
+        up = tl.where(at_least, key, 2147483647)
+        down = tl.where(at_least, -2147483648, key)
+    return tl.reduce((count, up, down), 0, _sum_min_max)
+
+
+@triton.jit
+def _exact_threshold(key, weight, buf_ptr, span, r, lo, count_lo, hi, first_value,
+                     FROM_BUFFER: tl.constexpr, TILE: tl.constexpr):
+    """The r-th largest key and how many of the keys equal to it to take; with a `weight` per key (register keys
+    only; 1 = count them), the largest key T whose keys at or above weigh at least r (the keys above T weigh
+    less than r; what the ties take is then the caller's).
+
+    `lo` is the smallest key and holds ``count_lo`` keys (their weight) at or above (< r: the search ends
+    at once); `hi` is above every key.
+    Each step probes a `_pivot` and moves an end onto the nearest key on its side (the low end onto
+    the smallest key >= pivot, the high end one past the largest key < pivot), so the search ends as
+    soon as exactly r keys lie at or above the low end, or no key lies strictly between the ends.
+    Returns ``(T, ties)``: the top r are the keys > T and the first `ties` keys equal to T (`ties` is
+    INT32_MAX when the keys >= T are exactly r)."""
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    count_hi = tl.zeros((), tl.int32)
+    total = count_lo.to(tl.float32)
+    aim = r.to(tl.float32) - 0.5
+    step = tl.zeros((), tl.int32)
+    while (count_lo > r) & (hi - lo > 1):
+        pivot = _pivot(lo, hi, count_lo, count_hi, aim, total, first_value, step)
+        at_least, up, down = _probe(key, weight, buf_ptr, span, pivot.to(tl.int32), FROM_BUFFER, TILE)
+        go_up = at_least >= r
+        lo = tl.where(go_up, up.to(tl.int64), lo)
+        count_lo = tl.where(go_up, at_least, count_lo)
+        hi = tl.where(go_up, hi, down.to(tl.int64) + 1)
+        count_hi = tl.where(go_up, count_hi, at_least)
+        step += 1
+    ties = tl.where(count_lo == r, 2147483647, r - count_hi)
+    return lo.to(tl.int32), ties
+
+
+@triton.jit
+def _first_value(key, ok, count, aim):
+    """Mean + std * (normal quantile of aim / count) of the scores of the keys where `ok` (count > 0):
+    the first pivot of a search; `aim` may be a vector of targets."""
+    values = _key_value(key)
+    shift = tl.sum(tl.where(ok, values, 0.0), 0) / count.to(tl.float32)
+    centered = tl.where(ok, values - shift, 0.0)
+    std = tl.sqrt(tl.sum(centered * centered, 0) / count.to(tl.float32))
+    return shift + std * _probit(aim / count.to(tl.float32))
+
+
+@triton.jit
+def _write_columns(out_row, key, col, threshold, ties, slot_base, tie_base):
+    """Write the columns of keys > threshold and of the keys equal to it ranked <= ties (counting from
+    tie_base), at slots counted from slot_base, in the tiles' order. Returns the advanced bases."""
+    tie = key == threshold
+    tie_rank = tie_base + tl.cumsum(tie.to(tl.int32), 0)
+    take = (key > threshold) | (tie & (tie_rank <= ties))
+    slot = slot_base + tl.cumsum(take.to(tl.int32), 0) - 1
+    tl.store(out_row + slot, col.to(tl.int64), mask=take)
+    return slot_base + tl.sum(take.to(tl.int32), 0), tie_base + tl.sum(tie.to(tl.int32), 0)
+
+
+@triton.jit
+def _fill_empty(out_row, first, heavy, TILE: tl.constexpr):
+    """NO_TOKEN in slots ``[first, heavy)``."""
+    for t in range(first, heavy, TILE):
+        slots = t + tl.arange(0, TILE)
+        tl.store(out_row + slots, tl.full((TILE,), NO_TOKEN, tl.int64), mask=slots < heavy)
+
+
+@triton.jit
+def _top_columns(out_row, key, cols, heavy, TILE: tl.constexpr):
+    """The columns `cols` of the top ``min(heavy, keys)`` of `key` (INT32_MIN: no key; ties: the first in
+    order) written at ``out_row[0:heavy)`` in their order, then NO_TOKEN."""
+    ok = key != -2147483648
+    count, smallest, largest = tl.reduce((ok.to(tl.int32), tl.where(ok, key, 2147483647), key), 0, _sum_min_max)
+    r = tl.minimum(count, heavy)
+    taken = tl.zeros((), tl.int32)
+    if r > 0:
+        first = _first_value(key, ok, count, r.to(tl.float32) - 0.5)
+        threshold, ties = _exact_threshold(key, 1, out_row, 0, r, smallest, count, largest.to(tl.int64) + 1,
+                                           first, False, TILE)
+        taken, _ = _write_columns(out_row, key, cols, threshold, ties, 0, 0)
+    _fill_empty(out_row, taken, heavy, TILE)
