@@ -52,6 +52,7 @@ import triton.language as tl
 
 from .key_search_triton import (SENTINEL, _exact_threshold, _fill_empty, _first_value, _key_value, _pivot, _probit,
                                 _top_columns, _write_columns)
+from .gather_attention_triton import num_sms
 from .labels_triton import kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
 
@@ -60,6 +61,11 @@ MAX_CHUNKS = 32  # longer rows take longer chunks (the bound L compares every pa
 TAIL_TILE = 4096  # candidates per tile of the last program's search and writes
 MAX_CANDIDATES = 16384  # candidate columns per (row, head) that `candidate_label_topk_triton` holds in registers
 MAX_WALK_CANDIDATES = 8192  # the same for `candidate_label_walk_triton` (a register sort; wider ones: the twin)
+# The candidate top-k at 2,048 candidates a program (4 warps) compiles to more registers a thread than 4
+# programs an SM leave (128): 3 programs fit an SM. A grid of more than that is capped at 128 registers (a few
+# spills), so that 4 fit and it takes a wave fewer (benchmarks/RESULTS.md, "Successors").
+TOPK_PROGRAMS_PER_SM = 3
+TOPK_REGISTER_CAP = 128
 LEVELS = 4  # target ranks per chunk sketch
 SKETCH = 16  # int32 fields per (row-head, chunk) sketch: LEVELS keys, LEVELS counts, count, max, min
 
@@ -517,6 +523,10 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     warps = max(4, min(16, pad // 512))
     if walk and pad >= 2048:  # the walk's searches run faster on 8 warps there (candidate_timing.py --warps)
         warps = max(warps, 8)
+    options = {}
+    if (not walk and pad == 2048 and num_warps is None and codes.is_cuda
+            and count * n_heads > TOPK_PROGRAMS_PER_SM * num_sms(codes.device)):
+        options["maxnreg"] = TOPK_REGISTER_CAP  # one more program an SM: a wave fewer
     _label_candidates[(count * n_heads,)](
         query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best,
         codes.shape[2], heavy, width, top, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
@@ -524,6 +534,7 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
         HEADS=n_heads, R=r, BITS=bits, LOAD_BYTES=load_bytes, GROUP=group, **flags,
         PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None, C_PAD=pad,
         TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, BY_HEAD=by_head, num_warps=num_warps or warps,
+        **options,
     )
     return out, best
 
