@@ -56,7 +56,8 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
                          & (tl.gather(columns, after, 0) == successor) & (tl.gather(key, after, 0) > key))
     cost = own.to(tl.int32) + follows.to(tl.int32)
     # 2. the key where the walk stops, and what the columns at it take (in column order = rank order)
-    # (a search over the keys weighed by their cost: its first pivot aims at K slots' share of the columns)
+    # (a search over the register keys weighed by their cost, no buffer read; its first pivot aims at K slots'
+    # share of the columns)
     slots = tl.zeros((), tl.int32) + K
     present = tl.maximum(tl.sum(flag, 0), 1)
     lo = tl.min(tl.where(given, key, 2147483647), 0)
