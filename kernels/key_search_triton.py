@@ -124,14 +124,20 @@ def _exact_threshold(key, weight, buf_ptr, span, r, lo, count_lo, hi, first_valu
 
 
 @triton.jit
+def _moments(key, ok, count):
+    """Mean and standard deviation of the scores of the keys where `ok` (`count` of them, > 0)."""
+    values = _key_value(key)
+    mean = tl.sum(tl.where(ok, values, 0.0), 0) / count.to(tl.float32)
+    centered = tl.where(ok, values - mean, 0.0)
+    return mean, tl.sqrt(tl.sum(centered * centered, 0) / count.to(tl.float32))
+
+
+@triton.jit
 def _first_value(key, ok, count, aim):
     """Mean + std * (normal quantile of aim / count) of the scores of the keys where `ok` (count > 0):
     the first pivot of a search; `aim` may be a vector of targets."""
-    values = _key_value(key)
-    shift = tl.sum(tl.where(ok, values, 0.0), 0) / count.to(tl.float32)
-    centered = tl.where(ok, values - shift, 0.0)
-    std = tl.sqrt(tl.sum(centered * centered, 0) / count.to(tl.float32))
-    return shift + std * _probit(aim / count.to(tl.float32))
+    mean, std = _moments(key, ok, count)
+    return mean + std * _probit(aim / count.to(tl.float32))
 
 
 @triton.jit

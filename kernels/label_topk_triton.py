@@ -61,9 +61,9 @@ MAX_CHUNKS = 32  # longer rows take longer chunks (the bound L compares every pa
 TAIL_TILE = 4096  # candidates per tile of the last program's search and writes
 MAX_CANDIDATES = 16384  # candidate columns per (row, head) that `candidate_label_topk_triton` holds in registers
 MAX_WALK_CANDIDATES = 8192  # the same for `candidate_label_walk_triton` (a register sort; wider ones: the twin)
-# The candidate top-k at 2,048 candidates a program (4 warps) compiles to more registers a thread than 4
-# programs an SM leave (128): 3 programs fit an SM. A grid of more than that is capped at 128 registers (a few
-# spills), so that 4 fit and it takes a wave fewer (benchmarks/RESULTS.md, "Successors").
+# The candidate top-k at 2,048 candidates a program (4 warps) takes more registers a thread than the 128 that
+# would let 4 programs share an SM, so 3 do. A grid of more than 3 programs an SM is capped at 128 registers (a
+# few spills), so that 4 share an SM and the grid takes a wave fewer.
 TOPK_PROGRAMS_PER_SM = 3
 TOPK_REGISTER_CAP = 128
 LEVELS = 4  # target ranks per chunk sketch

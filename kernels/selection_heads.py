@@ -43,6 +43,5 @@ def refine_into(out: torch.Tensor, candidates: torch.Tensor, heads: torch.Tensor
     """A refinement of some selection heads written in place: `refine` maps the candidates ``[B', H', C]`` of heads
     ``[B' or 1, H']`` (taken from every selection head's ``[B', H_sel, C]``) to their chosen columns ``[B', H', k]``,
     which land at those heads' rows of `out` ``[B', H_sel, k]``. Returns `out`."""
-    index = heads.expand(candidates.shape[0], -1)[..., None]
-    chosen = refine(candidates.gather(1, index.expand(-1, -1, candidates.shape[-1])))
-    return out.scatter_(1, index.expand(-1, -1, out.shape[-1]), chosen)
+    index = heads.expand(out.shape[0], -1)[..., None].expand(-1, -1, out.shape[-1])
+    return out.scatter_(1, index, refine(pick_heads(candidates, heads=heads)))

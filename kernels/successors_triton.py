@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .key_search_triton import _exact_threshold, _first_value
+from .key_search_triton import _exact_threshold, _moments, _probit
 
 COLUMN_BITS = 24  # columns < 2**24 in the packed sort key
 
@@ -57,13 +57,15 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
     cost = own.to(tl.int32) + follows.to(tl.int32)
     # 2. the key where the walk stops, and what the columns at it take (in column order = rank order)
     # (a search over the register keys weighed by their cost, no buffer read; its first pivot aims at K slots'
-    # share of the columns)
+    # share of the columns; the score moments serve the best-TOP search too)
     slots = tl.zeros((), tl.int32) + K
-    present = tl.maximum(tl.sum(flag, 0), 1)
+    given_count = tl.sum(flag, 0)
+    present = tl.maximum(given_count, 1).to(tl.float32)
+    mean, std = _moments(key, given, present)
     lo = tl.min(tl.where(given, key, 2147483647), 0)
     hi = tl.max(key, 0).to(tl.int64) + 1
     total = tl.sum(cost, 0)
-    guess = _first_value(key, given, present, (slots - 0.5) * present.to(tl.float32) / tl.maximum(total, 1))
+    guess = mean + std * _probit((slots - 0.5) / tl.maximum(total, 1))
     stop, _ = _exact_threshold(key, cost, best_out, 0, slots, lo, total, hi, guess, False, K_P)
     above = given & (key > stop)
     tie = given & (key == stop)
@@ -80,8 +82,8 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
     tl.store(out + i, tl.full([K_P], -1, tl.int64), mask=(i >= tl.sum(count, 0)) & (i < K))
     if TOP > 0:  # the best TOP given columns
         top = tl.zeros((), tl.int32) + TOP
-        best, ties = _exact_threshold(key, 1, best_out, 0, top, lo, tl.sum(flag, 0), hi,
-                                      _first_value(key, given, present, top - 0.5), False, K_P)
+        best, ties = _exact_threshold(key, 1, best_out, 0, top, lo, given_count, hi,
+                                      mean + std * _probit((top - 0.5) / present), False, K_P)
         tie = given & (key == best)
         chosen = (given & (key > best)) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= ties))
         slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
