@@ -335,6 +335,11 @@ class RuntimeConfig:
             embedding and MLP activation run as inductor-fused kernels (`hshare.elementwise_fusion`)
             instead of about 25 small kernels a layer; results equal the unfused step up to the order
             of a reduction. False = the model's own eager kernels in the graph.
+        fuse_projections: inside those captured steps, each attention's query, key and value
+            projections run as one product over their weights stacked (`hshare.projection_fusion`: the
+            weights are moved once into one tensor per attention and the parameters become its rows, no
+            copy kept); results equal the separate products up to the GEMM's order of summation. False =
+            three products.
         dense_fallback_mib: a decode step runs exact dense attention unless sparse attention saves at
             least this many MiB of K/V reads per layer, ``rows x (own columns - N_c) x`` K/V bytes per
             token (`hshare.step.StepPlanner.sparse_pays`; ``cache.planner.decision`` says what the last
@@ -349,11 +354,12 @@ class RuntimeConfig:
 
     cuda_graphs: bool = True
     compile_elementwise: bool = True
+    fuse_projections: bool = True
     dense_fallback_mib: float | None = None
     sparse_prefill: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("cuda_graphs", "compile_elementwise", "sparse_prefill"):
+        for name in ("cuda_graphs", "compile_elementwise", "fuse_projections", "sparse_prefill"):
             check_bool(f"runtime.{name}", getattr(self, name))
         mib = self.dense_fallback_mib
         if mib is not None:
@@ -387,6 +393,7 @@ OPTION_NAMES: dict[str, tuple[str, str]] = {
     "prefix_min_batch": ("prefix", "min_batch"), "prefix_min_saved_tokens": ("prefix", "min_saved_tokens"),
     "prefix_levels": ("prefix", "levels"),
     "cuda_graphs": ("runtime", "cuda_graphs"), "compile_elementwise": ("runtime", "compile_elementwise"),
+    "fuse_projections": ("runtime", "fuse_projections"),
     "dense_fallback_mib": ("runtime", "dense_fallback_mib"), "sparse_prefill": ("runtime", "sparse_prefill"),
 }
 DEFAULT_POLICY = "labels"

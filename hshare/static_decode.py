@@ -16,9 +16,11 @@ host from the step:
    has captured a step of the same `warm_signature` before (a later ``generate`` of the same
    shapes), the first step of a kind is captured at once and replayed, with no eager run. A step
    costs a few small host launches (the inputs, the column, the validity) plus one graph launch.
-3. **Fused elementwise work.** Inside the recorded steps the layers' norms, rotary embedding and MLP
-   activation run compiled by inductor (`hshare.elementwise_fusion`, ``compile_elementwise``): what
-   transformers' compiled StaticCache path fuses, without compiling the step itself.
+3. **Fused elementwise work and projections.** Inside the recorded steps the layers' norms, rotary
+   embedding and MLP activation run compiled by inductor (`hshare.elementwise_fusion`,
+   ``compile_elementwise``): what transformers' compiled StaticCache path fuses, without compiling the
+   step itself; and each attention's q, k and v projections run as one product over stacked weights
+   (`hshare.projection_fusion`, ``fuse_projections``).
 4. **Plan on the host, open in the graph.** Each step is planned on the host as in eager decode
    (`hshare.step.StepPlanner.begin_static_step`: kind, schedule, plan, host counters); the captured
    step opens it (the decoder's pre-hook: row windows from the device validity) and runs the layers,
@@ -51,6 +53,7 @@ import torch
 from hshare import compat
 from hshare.cache import HShareCache
 from hshare.elementwise_fusion import ElementwiseFusion
+from hshare.projection_fusion import QKVFusion
 from hshare.graphs import StepGraphs
 from hshare.generate_features import eager_reason, generation_setting
 from hshare.patches import sliding_window
@@ -79,6 +82,8 @@ class StaticDecodeReport:
         reserved: own columns per row the buffers were reserved for.
         fusion: how the captured steps run the layers' elementwise work: "fused" (inductor kernels,
             `hshare.elementwise_fusion`), or why not ("compile_elementwise=False", a compile error).
+        projections: how they run the attention's q, k and v projections: "stacked" (one product per
+            attention, `hshare.projection_fusion`), or why not ("fuse_projections=False", the modules).
         compile_seconds: host seconds spent compiling the fused pieces (0 once compiled at this shape).
         eager_seconds: seconds of the eager steps run before a capture (none where this process ran a
             step of the same kind and signature before: `warm_signature`).
@@ -90,6 +95,7 @@ class StaticDecodeReport:
     capture_seconds: dict[str, float] = field(default_factory=dict)
     reserved: int = 0
     fusion: str = ""
+    projections: str = ""
     compile_seconds: float = 0.0
     eager_seconds: float = 0.0
 
@@ -159,6 +165,7 @@ class StaticDecoder:
         self.model = model
         self.window = sliding_window(model.config)
         self.fusion: ElementwiseFusion | None = None
+        self.projections: QKVFusion | None = None
         self.graphs: StepGraphs | None = None
         self.inputs: dict[str, torch.Tensor] = {}
         self.constants: dict[str, Any] = {}
@@ -245,7 +252,10 @@ class StaticDecoder:
 
     def _step(self) -> torch.Tensor:
         """One decode step over the static buffers (the decoder's pre-hook opens the planned step)."""
-        with self.fusion.active() if self.fusion is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as fused:
+            for fusion in (self.fusion, self.projections):
+                if fusion is not None:
+                    fused.enter_context(fusion.active())
             return self.forward(**self.inputs, **self.constants, **{compat.CACHE_KWARG: self.cache},
                                 attention_mask=None, use_cache=True, return_dict=True).logits
 
@@ -274,11 +284,22 @@ class StaticDecoder:
         self.graphs = StepGraphs(device) if device.type == "cuda" else None
         if self.graphs is not None:  # the report shows the graphs' own counts (kept as they capture and replay)
             self.report.replays, self.report.capture_seconds = self.graphs.replays, self.graphs.capture_seconds
-            self._fuse(cache)
+        self._fuse(cache)
         return None
 
     def _fuse(self, cache: HShareCache) -> None:
-        """Compile the layers' elementwise work for the captured steps, where the config asks for it."""
+        """Stack the attention's projections for the recorded steps, and on CUDA compile the layers'
+        elementwise work for them, where the config asks for it (static shapes off CUDA run in tests only:
+        they stack, and leave inductor out)."""
+        if not cache.config.runtime.fuse_projections:
+            self.report.projections = "fuse_projections=False"
+        else:
+            projections = QKVFusion(self.model)
+            projections.stack()
+            self.report.projections = projections.reason or "stacked"
+            self.projections = projections if projections.groups else None
+        if self.graphs is None:
+            return
         if not cache.config.runtime.compile_elementwise:
             self.report.fusion = "compile_elementwise=False"
             return

@@ -17,9 +17,11 @@ from test_static_decode import _generate, _run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# Bitwise comparisons run the model's own elementwise kernels in the graph (compile_elementwise=False):
-# inductor's fused RMSNorm reduces in another order. The fused path is checked against them below.
-UNFUSED = dict(compile_elementwise=False)
+# Bitwise comparisons run the model's own elementwise kernels and its three q/k/v products in the graph
+# (compile_elementwise=False, fuse_projections=False): inductor's fused RMSNorm reduces in another order, and
+# cuBLAS may split a stacked product's sums otherwise. The fused path is checked against them below.
+UNFUSED = dict(compile_elementwise=False, fuse_projections=False)
+FUSED = dict(compile_elementwise=True, fuse_projections=True)  # as by default
 SPARSE = dict(sink=2, local=4, heavy=6, dense_fallback_mib=0, **UNFUSED)  # sparse from the first step on CUDA
 
 
@@ -147,7 +149,7 @@ def test_no_host_sync_in_a_replayed_step(monkeypatch, preset):
         return out
 
     monkeypatch.setattr(static_decode.StaticDecoder, "_decode", strict)
-    overrides = {} if preset == "dense" else dict(SPARSE, compile_elementwise=True)  # the fused step, as by default
+    overrides = {} if preset == "dense" else dict(SPARSE, **FUSED)  # the fused step, as by default
     _, cache = _run(model, preset, ids, mask, static=True, new_tokens=12, **overrides)
     assert cache.static_decode.reason == "" and cache.static_decode.fusion == "fused" and len(checked) >= 8
 
@@ -170,17 +172,22 @@ def _short_reserve(init):
 
 @pytest.mark.parametrize("preset", ["dense", "hshare-1_2-1_2-1_2"])
 def test_fused_elementwise_equals_unfused_float32(preset):
-    """Inductor-fused norms / rotary / MLP in the captured step give the unfused step's tokens (float32:
-    only the order of a reduction differs), also after a call at another batch size (a recompile)."""
+    """Inductor-fused norms / rotary / MLP and stacked q/k/v products in the captured step give the unfused
+    step's tokens (float32: only the order of a reduction differs), also after a call at another batch size
+    (a recompile)."""
     model = tiny_llama(kv_heads=2, layers=4).cuda()
-    sparse = {} if preset == "dense" else dict(SPARSE, compile_elementwise=True)
+    sparse = {} if preset == "dense" else dict(SPARSE, **FUSED)
     for lengths in ([60, 44, 51, 37], [52, 30]):
         ids, mask = _batch(lengths)
         unfused, _ = _run(model, preset, ids, mask, static=True, new_tokens=12, **dict(sparse, **UNFUSED))
         fused, cache = _run(model, preset, ids, mask, static=True, new_tokens=12, **sparse)
         report = cache.static_decode
         assert report.reason == "" and report.fusion == "fused" and report.graphed_steps >= 9, report
+        assert report.projections == "stacked", report
         assert torch.equal(fused, unfused)
+    attention = model.model.layers[0].self_attn  # stacked in place: one storage, no second copy
+    assert len({p.weight.untyped_storage().data_ptr() for p in (attention.q_proj, attention.k_proj,
+                                                                 attention.v_proj)}) == 1
 
 
 def test_fused_elementwise_bfloat16_close_to_unfused():

@@ -68,10 +68,20 @@ def test_static_shapes_equal_eager(preset, overrides):
     eager, eager_cache = _run(model, preset, ids, mask, static=False, **overrides)
     static, cache = _run(model, preset, ids, mask, static=True, **overrides)
     assert cache.static_decode.reason == "" and cache.static_decode.eager_steps == 7
+    assert cache.static_decode.projections == "stacked"  # each step's q, k and v in one product
     assert torch.equal(static, eager)
     _same_work(cache, eager_cache)
     if preset == "dense":
         assert torch.equal(static, _generate(model, ids, mask))
+
+
+def test_projections_unstacked_when_asked():
+    model = tiny_llama(kv_heads=2, layers=2)
+    weight = model.model.layers[0].self_attn.k_proj.weight.data
+    ids, mask = left_padded([20, 13])
+    _, cache = _run(model, "dense", ids, mask, static=True, fuse_projections=False)
+    assert cache.static_decode.reason == "" and cache.static_decode.projections == "fuse_projections=False"
+    assert model.model.layers[0].self_attn.k_proj.weight.data.data_ptr() == weight.data_ptr()
 
 
 def test_budget_covering_context_and_mha_equal_unpatched():

@@ -337,6 +337,7 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
         report = cache.static_decode
         static = {"reason": report.reason, "replays": report.replays, "eager_steps": report.eager_steps,
                   "capture_s": report.capture_seconds, "reserved": report.reserved, "fusion": report.fusion,
+                  "projections": report.projections,
                   "compile_s": report.compile_seconds, "eager_s": report.eager_seconds}
         if cache.config.sparse:  # how many decode steps were sparse, how many fell back to dense, KV reads
             stats = cache.stats
