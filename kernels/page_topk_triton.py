@@ -1,6 +1,6 @@
 """Triton Quest heavy columns from page scores: the twin of `page_topk.page_heavy_torch`, one launch.
 
-Program (row, head):
+Program (row, head, share of the heavy slots):
 
 1. counts each page's selectable columns (the row's window read by page, ``BLOCK_PAGES`` pages at a time)
    into its scratch row;
@@ -8,11 +8,14 @@ Program (row, head):
    made order-preserving in the high half, ``P_PAD - 1 - page`` in the low half: a descending sort puts
    the earlier page first among equal scores, as the twin's stable sort does; ``-0.0`` is read as ``+0.0``);
    the ranked pages and the running count of selectable columns over them go to its scratch rows;
-3. for each block of heavy slots: the slot's ranked page by a binary search over the running count, its
-   offset inside the page, and its column by a count over the page's selectable flags.
+3. for each block of its share of the heavy slots: the slot's ranked page by a binary search over the
+   running count, its offset inside the page, and its column by a count over the page's selectable flags.
 
-Scratch: ``[B' * H', 3, P_PAD]`` int32, made per call (inside a CUDA graph, in the graph's pool). No device
-value is read on the host: the launch is CUDA-graph capturable.
+At few rows the (row, head) pairs leave most of the device idle: the slots are then shared out over up to
+`MAX_SLOT_PROGRAMS` programs per pair (each counting and ranking the pages again), so that about one wave
+runs (`slot_programs`). Scratch: ``[B' * H' * S, 3, P_PAD]`` int32 (S programs a pair), made per call
+(inside a CUDA graph, in the graph's pool). No device value is read on the host: the launch is CUDA-graph
+capturable.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ from .critical_indices import NO_TOKEN
 _NO_TOKEN = tl.constexpr(NO_TOKEN)
 BLOCK_PAGES = 64  # pages counted at once
 BLOCK_SLOTS = 128  # heavy slots resolved at once
+MAX_SLOT_PROGRAMS = 4  # programs sharing one (row, head)'s slots (each ranks the pages again: more cost more)
 
 
 @triton.jit
 def _page_heavy(
-    scores_ptr, sel_ptr, shift_ptr, out_ptr, work_ptr, pages, n, heavy, s_sel,
+    scores_ptr, sel_ptr, shift_ptr, out_ptr, work_ptr, pages, n, heavy, slots_per_program, s_sel,
     HEADS: tl.constexpr, SIZE: tl.constexpr, SIZE_PAD: tl.constexpr, P_PAD: tl.constexpr, LOG_P: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -38,7 +42,7 @@ def _page_heavy(
     row = pid // HEADS
     shift = tl.load(shift_ptr + row)
     sel_row = sel_ptr + row * s_sel
-    counts = work_ptr + pid * (3 * P_PAD)
+    counts = work_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * (3 * P_PAD)
     ranked_pages = counts + P_PAD
     reach = counts + 2 * P_PAD
     offsets = tl.arange(0, SIZE_PAD)
@@ -65,7 +69,8 @@ def _page_heavy(
     tl.store(reach + page, tl.cumsum(in_order, 0))
     tl.debug_barrier()  # the ranked pages and their running count are written
     # 3. each slot's page and column
-    for s0 in range(0, heavy, BLOCK_S):
+    first = tl.program_id(1) * slots_per_program
+    for s0 in range(first, tl.minimum(first + slots_per_program, heavy), BLOCK_S):
         slot = s0 + tl.arange(0, BLOCK_S)
         lo = tl.zeros((BLOCK_S,), tl.int32)
         hi = tl.full((BLOCK_S,), P_PAD, tl.int32)
@@ -87,10 +92,17 @@ def _page_heavy(
         tl.store(out_ptr + pid * heavy + slot, result, mask=slot < heavy)
 
 
+def slot_programs(pairs: int, heavy: int, device: torch.device) -> int:
+    """Programs sharing each (row, head)'s heavy slots: about one wave of `pairs` pairs on the device's
+    multiprocessors (1 off CUDA), at most one per block of slots and `MAX_SLOT_PROGRAMS`."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return max(1, min(MAX_SLOT_PROGRAMS, triton.cdiv(heavy, BLOCK_SLOTS), sms // max(pairs, 1)))
+
+
 def page_heavy_triton(scores: torch.Tensor, selectable: torch.Tensor, shift: torch.Tensor, page_size: int,
-                      heavy: int) -> torch.Tensor:
+                      heavy: int, programs: int | None = None) -> torch.Tensor:
     """`page_heavy` of fp32 page scores ``[B', H', P]``, the window ``[B', n]`` and shifts ``[B']``:
-    ``[B', H', heavy]`` int64."""
+    ``[B', H', heavy]`` int64. `programs`: per (row, head), default `slot_programs`."""
     count, width, pages = scores.shape
     n = selectable.shape[-1]
     out = torch.empty(count, width, heavy, dtype=torch.int64, device=scores.device)
@@ -103,9 +115,12 @@ def page_heavy_triton(scores: torch.Tensor, selectable: torch.Tensor, shift: tor
     flags = selectable.view(torch.uint8)
     shift = shift.to(torch.int64).contiguous()
     p_pad = max(16, triton.next_power_of_2(pages))
-    work = torch.empty(count * width, 3, p_pad, dtype=torch.int32, device=scores.device)
-    _page_heavy[(count * width,)](
-        scores, flags, shift, out, work, pages, n, heavy, flags.stride(0),
+    programs = programs or slot_programs(count * width, heavy, scores.device)
+    share = triton.cdiv(triton.cdiv(heavy, BLOCK_SLOTS), programs) * BLOCK_SLOTS  # whole blocks a program
+    programs = triton.cdiv(heavy, share)
+    work = torch.empty(count * width * programs, 3, p_pad, dtype=torch.int32, device=scores.device)
+    _page_heavy[(count * width, programs)](
+        scores, flags, shift, out, work, pages, n, heavy, share, flags.stride(0),
         HEADS=width, SIZE=page_size, SIZE_PAD=max(2, triton.next_power_of_2(page_size)), P_PAD=p_pad,
         LOG_P=p_pad.bit_length() - 1, BLOCK_P=min(BLOCK_PAGES, p_pad), BLOCK_S=BLOCK_SLOTS,
         num_warps=4 if p_pad <= 1024 else 8,
