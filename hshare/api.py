@@ -200,10 +200,11 @@ def static_decode(model, cache: HShareCache, args: tuple, kwargs: dict) -> Itera
         yield
         return
     previous = model.__dict__.get("forward")  # an instance forward (accelerate's hooks) stays in the chain
-    model.forward = StaticDecoder(model, model.forward, new_tokens, report)
+    decoder = model.forward = StaticDecoder(model, model.forward, new_tokens, report)
     try:
         yield
     finally:
+        decoder.close()
         if previous is None:
             del model.forward
         else:

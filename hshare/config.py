@@ -336,10 +336,10 @@ class RuntimeConfig:
             instead of about 25 small kernels a layer; results equal the unfused step up to the order
             of a reduction. False = the model's own eager kernels in the graph.
         fuse_projections: inside those captured steps, each attention's query, key and value
-            projections run as one product over their weights stacked (`hshare.projection_fusion`: the
-            weights are moved once into one tensor per attention and the parameters become its rows, no
-            copy kept); results equal the separate products up to the GEMM's order of summation. False =
-            three products.
+            projections run as one product over their weights stacked (`hshare.projection_fusion`: for the
+            generate, the weights move into one tensor per attention and the parameters become its rows,
+            no copy kept; at its end each gets its own storage back); results equal the separate products
+            up to the GEMM's order of summation. False = three products.
         dense_fallback_mib: a decode step runs exact dense attention unless sparse attention saves at
             least this many MiB of K/V reads per layer, ``rows x (own columns - N_c) x`` K/V bytes per
             token (`hshare.step.StepPlanner.sparse_pays`; ``cache.planner.decision`` says what the last

@@ -6,12 +6,12 @@ stream at under half the rate of the MLP's products (`benchmarks/RESULTS.md`, th
 decode step). One product over the three weights stacked reads the same bytes in one launch, as
 gpt-fast's ``wqkv`` and vLLM's ``QKVParallelLinear`` do.
 
-* **Storage.** `QKVGroup.stack` moves an attention's three weights (and biases) into one
-  ``[Nq + Nk + Nv, K]`` tensor and points each parameter's ``.data`` at its rows. The parameters stay
-  the same objects with the same values; no second copy is kept. A parameter moved or replaced later
-  (``model.to(...)``, a new ``weight``) no longer lies in the stacked tensor: `QKVGroup.stacked` sees
-  it and the next generate stacks again. Writes into a parameter (``load_state_dict``, ``copy_``) land
-  in the stacked tensor.
+* **Storage.** For the duration of one ``generate`` (`QKVFusion.stack` at its first static decode step,
+  `QKVFusion.unstack` when it ends), an attention's three weights (and biases) live in one
+  ``[Nq + Nk + Nv, K]`` tensor and each parameter's ``.data`` is its rows: the parameters stay the same
+  objects with the same values, and no second copy exists. Afterwards each parameter has its own storage
+  again: outside a generate nothing of this layout lingers in the model (saved, moved, unpatched). Each
+  move copies the weights once (milliseconds on a GPU; transient memory: one attention's q/k/v weights).
 * **Product.** Inside `QKVFusion.active` (only around the recorded decode steps, as
   `hshare.elementwise_fusion`), the first of the three projections called with an input computes the
   stacked product; each returns its own columns of it (a view, unit stride on the features). A
@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
-_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> its QKVGroup
 
 
 def _plain_linear(module: object) -> bool:
@@ -73,37 +71,40 @@ class QKVGroup:
         self._output: torch.Tensor | None = None
         self._served: set[int] = set()
 
+    def _rows(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Each parameter (weights, then biases if any) with its rows of the stacked tensors."""
+        for stacked, name in ((self.weight, "weight"), (self.bias, "bias")):
+            if stacked is not None:
+                for index, projection in enumerate(self.projections):
+                    yield getattr(projection, name), stacked[self.bounds[index]:self.bounds[index + 1]]
+
+    @staticmethod
+    def _is(parameter: torch.Tensor, rows: torch.Tensor) -> bool:
+        return (parameter.dtype == rows.dtype and parameter.device == rows.device and parameter.shape == rows.shape
+                and parameter.stride() == rows.stride() and parameter.data_ptr() == rows.data_ptr())
+
     def stacked(self) -> bool:
-        """Whether every weight (and bias) is still its rows of the stacked tensors."""
-        if self.weight is None:
-            return False
-        for index, projection in enumerate(self.projections):
-            start, end = self.bounds[index], self.bounds[index + 1]
-            pairs = [(projection.weight, self.weight[start:end])]
-            if (projection.bias is None) != (self.bias is None):
-                return False
-            if projection.bias is not None:
-                pairs.append((projection.bias, self.bias[start:end]))
-            for parameter, rows in pairs:
-                if (parameter.dtype != rows.dtype or parameter.device != rows.device or parameter.shape != rows.shape
-                        or parameter.stride() != rows.stride() or parameter.data_ptr() != rows.data_ptr()):
-                    return False
-        return True
+        """Whether every weight (and bias) is its rows of the stacked tensors."""
+        return self.weight is not None and all(self._is(parameter, rows) for parameter, rows in self._rows())
 
     def stack(self) -> None:
-        """Move the three weights (and biases) into the stacked tensors, unless they are there already.
-        Transient memory: one attention's q/k/v weights once more."""
+        """Move the three weights (and biases) into the stacked tensors (unless they are there already)."""
         if self.stacked():
             return
-        with torch.no_grad():
-            self.weight = torch.cat([p.weight.data for p in self.projections])
-            biased = self.projections[0].bias is not None
-            self.bias = torch.cat([p.bias.data for p in self.projections]) if biased else None
-            for index, projection in enumerate(self.projections):
-                start, end = self.bounds[index], self.bounds[index + 1]
-                projection.weight.data = self.weight[start:end]
-                if biased:
-                    projection.bias.data = self.bias[start:end]
+        self.weight = torch.cat([p.weight.data for p in self.projections])
+        biased = self.projections[0].bias is not None
+        self.bias = torch.cat([p.bias.data for p in self.projections]) if biased else None
+        for parameter, rows in self._rows():
+            parameter.data = rows
+
+    def unstack(self) -> None:
+        """Give each parameter still in the stacked tensors its own storage again (a copy of its rows), and
+        drop the stacked tensors."""
+        for parameter, rows in self._rows():
+            if self._is(parameter, rows):
+                parameter.data = rows.clone()
+        self.weight = self.bias = None
+        self.release()
 
     def project(self, index: int, module: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         """Projection `index`'s output ``[..., N_index]``: its columns of the stacked product of `hidden`
@@ -132,8 +133,7 @@ class QKVFusion:
         model: a transformers model whose attention modules have ``q_proj``, ``k_proj``, ``v_proj``.
 
     Attributes:
-        groups: one `QKVGroup` per attention module that qualifies (`unfusable`), kept across
-            generates (the stacked tensors live as long as the module).
+        groups: one `QKVGroup` per attention module that qualifies (`unfusable`).
         reason: why no module qualifies ("" when some do).
     """
 
@@ -146,18 +146,23 @@ class QKVFusion:
             reason = unfusable(module)
             if reason:
                 reasons.append(f"{type(module).__name__}: {reason}")
-                continue
-            group = _GROUPS.get(module)
-            if group is None or group.projections != tuple(getattr(module, name) for name in PROJECTIONS):
-                group = _GROUPS[module] = QKVGroup(tuple(getattr(module, name) for name in PROJECTIONS))
-            self.groups.append(group)
+            else:
+                self.groups.append(QKVGroup(tuple(getattr(module, name) for name in PROJECTIONS)))
         self.reason = "" if self.groups else (reasons[0] if reasons else "no attention module with q_proj, k_proj "
                                                                             "and v_proj")
 
     def stack(self) -> None:
-        """Stack every group's weights (a no-op for those still stacked); outside any capture."""
-        for group in self.groups:
-            group.stack()
+        """Stack every group's weights; outside any capture. The tensors are ordinary ones even under
+        ``torch.inference_mode`` (the parameters must stay usable with autograd)."""
+        with torch.inference_mode(False), torch.no_grad():
+            for group in self.groups:
+                group.stack()
+
+    def unstack(self) -> None:
+        """Every parameter back in its own storage (after the generate whose steps used the stacked ones)."""
+        with torch.inference_mode(False), torch.no_grad():
+            for group in self.groups:
+                group.unstack()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

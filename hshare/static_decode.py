@@ -309,6 +309,12 @@ class StaticDecoder:
         self.report.fusion = error or "fused"
         self.fusion = None if error else fusion
 
+    def close(self) -> None:
+        """At the end of the generate: the projections' parameters back in their own storage."""
+        if self.projections is not None:
+            self.projections.unstack()
+            self.projections = None
+
     def _fall_back(self, cache: HShareCache, reason: str, kwargs: dict):
         """Decode eagerly from here on (same tokens), saying why."""
         self.report.reason = self.report.reason or reason

@@ -1,8 +1,8 @@
 """Stacked q/k/v projections (`hshare.projection_fusion`) against the model's own three products.
 
 The fused product must give the separate products' outputs (float64: exactly the same dot products),
-leave every parameter the same object with the same values and no second copy, stack again after the
-parameters move, and leave alone what it cannot stack.
+leave every parameter the same object with the same values and no second copy while stacked, give each its
+own storage back afterwards (also under inference mode), and leave alone what it cannot stack.
 """
 
 import pytest
@@ -54,35 +54,53 @@ def test_stacked_product_equals_the_three_products(make, rows):
     torch.testing.assert_close(_logits(model, ids), reference, rtol=1e-12, atol=1e-12)
 
 
-def test_stacking_keeps_no_second_copy():
+def test_stacking_keeps_no_second_copy_and_unstacking_gives_each_its_storage():
     model = tiny_llama(kv_heads=2, dtype=torch.float64)
     attention = _attentions(model)[0]
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    before = [p.weight.detach().clone() for p in projections]
     fusion = QKVFusion(model)
     fusion.stack()
-    storages = {p.weight.untyped_storage().data_ptr() for p in (attention.q_proj, attention.k_proj, attention.v_proj)}
-    assert len(storages) == 1
+    assert len({p.weight.untyped_storage().data_ptr() for p in projections}) == 1
     group = fusion.groups[0]
     assert group.weight.untyped_storage().nbytes() == group.weight.numel() * group.weight.element_size()
-    again = QKVFusion(model)  # a later generate finds the same stacked tensors
-    again.stack()
-    assert again.groups[0] is group and again.groups[0].weight is group.weight
+    fusion.stack()  # stacked already: nothing moves
+    assert group.stacked() and attention.q_proj.weight.data_ptr() == group.weight.data_ptr()
+    fusion.unstack()
+    assert group.weight is None and not group.stacked()
+    assert len({p.weight.untyped_storage().data_ptr() for p in projections}) == 3
+    for projection, weight in zip(projections, before):
+        assert torch.equal(projection.weight, weight)
+        assert projection.weight.untyped_storage().nbytes() == weight.numel() * weight.element_size()
 
 
-def test_parameters_moved_or_rewritten_are_followed():
-    model = tiny_llama(kv_heads=2, dtype=torch.float32)
+def test_stacked_under_inference_mode_stays_usable_with_autograd():
+    model = tiny_llama(kv_heads=2, dtype=torch.float64)
+    ids = torch.randint(3, VOCAB, (2, 9))
+    fusion = QKVFusion(model)
+    with torch.inference_mode():
+        fusion.stack()
+        with fusion.active():
+            inside = model(ids, use_cache=False).logits
+        fusion.unstack()
+    assert not any(p.is_inference() for p in model.parameters())
+    model(ids, use_cache=False).logits.sum().backward()  # autograd through the parameters still works
+    torch.testing.assert_close(inside, model(ids, use_cache=False).logits.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_parameters_rewritten_while_stacked_land_in_the_stack():
+    model = tiny_llama(kv_heads=2, dtype=torch.float64)
     ids = torch.randint(3, VOCAB, (2, 11))
     fusion = QKVFusion(model)
     fusion.stack()
-    model.to(torch.float64)  # new tensors for every parameter: no longer the stacked rows
-    assert not any(group.stacked() for group in fusion.groups)
-    fusion = QKVFusion(model)
-    fusion.stack()
-    torch.testing.assert_close(_logits(model, ids, fusion), _logits(model, ids), rtol=1e-12, atol=1e-12)
-    # new values written into the parameters land in the stacked tensor
     fresh = tiny_llama(kv_heads=2, dtype=torch.float64, seed=5)
-    model.load_state_dict(fresh.state_dict())
+    model.load_state_dict(fresh.state_dict())  # copies into the parameters: into the stacked tensors
     assert all(group.stacked() for group in fusion.groups)
     torch.testing.assert_close(_logits(model, ids, fusion), _logits(fresh, ids), rtol=1e-12, atol=1e-12)
+    model.to(torch.float32)  # new tensors for every parameter: no longer the stacked rows, left as they are
+    assert not any(group.stacked() for group in fusion.groups)
+    fusion.unstack()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_a_projection_of_another_input_runs_its_own_product():

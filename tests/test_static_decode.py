@@ -75,6 +75,24 @@ def test_static_shapes_equal_eager(preset, overrides):
         assert torch.equal(static, _generate(model, ids, mask))
 
 
+def test_projections_stacked_for_the_generate_only():
+    """During static decode steps q/k/v share one storage per attention; after the generate each parameter
+    has its own again, with its values."""
+    model = tiny_llama(kv_heads=2, layers=2)
+    attention = model.model.layers[0].self_attn
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    before = [p.weight.detach().clone() for p in projections]
+    storages = []
+    attention.register_forward_pre_hook(
+        lambda module, args: storages.append(len({p.weight.untyped_storage().data_ptr() for p in projections})))
+    ids, mask = left_padded([20, 13])
+    _, cache = _run(model, "dense", ids, mask, static=True)
+    assert cache.static_decode.projections == "stacked"
+    assert storages[0] == 3 and set(storages[1:]) == {1}  # the prefill unstacked, every decode step stacked
+    assert len({p.weight.untyped_storage().data_ptr() for p in projections}) == 3
+    assert all(torch.equal(p.weight, w) for p, w in zip(projections, before))
+
+
 def test_projections_unstacked_when_asked():
     model = tiny_llama(kv_heads=2, layers=2)
     weight = model.model.layers[0].self_attn.k_proj.weight.data

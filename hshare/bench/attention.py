@@ -174,8 +174,8 @@ class ProbeGeneration:
     through the library's `StaticDecoder` (static shapes; on CUDA each step kind replayed as a graph).
 
     Args:
-        config: the preset; its ``compile_elementwise`` is turned off (the probes have no norms, rotary
-            embedding or MLP to fuse).
+        config: the preset; its ``compile_elementwise`` and ``fuse_projections`` are turned off (the probes
+            have no norms, rotary embedding, MLP or q/k/v projections to fuse).
         steps: decode steps the generation reserves columns for (the buffers never grow).
 
     Attributes:
@@ -186,7 +186,7 @@ class ProbeGeneration:
 
     def __init__(self, probes: AttentionProbes, config: HShareConfig, steps: int, static: bool) -> None:
         self.probes = probes
-        self.cache = HShareCache(config.replace(compile_elementwise=False), probes.config)
+        self.cache = HShareCache(config.replace(compile_elementwise=False, fuse_projections=False), probes.config)
         self.cache.set_reserve(probes.context + steps)
         self.report = StaticDecodeReport() if static else None
         self.forward = StaticDecoder(probes, probes.forward, steps + 1, self.report) if static else probes.forward
