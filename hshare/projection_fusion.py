@@ -1,10 +1,9 @@
 """The attention's query, key and value projections as one weight product inside a recorded decode step.
 
 At decode a weight product reads its whole weight for a few rows: it is bound by memory, and a small
-one by the ramp of its launch. At Llama-3-8B's shape the key and value projections (8 MiB each)
-stream at about a third of the rate of the MLP's products (`benchmarks/RESULTS.md`, the weight
-products of a decode step). One product over the three weights stacked reads the same bytes in one
-launch, as gpt-fast's ``wqkv`` and vLLM's ``QKVParallelLinear`` do.
+one, such as a GQA model's key and value projections, by the ramp of its launch (measured in
+`benchmarks/RESULTS.md`, the weight products of a decode step). One product over the three weights
+stacked reads the same bytes in one launch, as gpt-fast's ``wqkv`` and vLLM's ``QKVParallelLinear`` do.
 
 * **Storage.** For the duration of one ``generate`` (`QKVFusion.stack` at its first static decode step,
   `QKVFusion.unstack` when it ends), an attention's three weights (and biases) live in one

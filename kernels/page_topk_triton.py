@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .critical_indices import NO_TOKEN
+from .gather_attention_triton import num_sms
 
 _NO_TOKEN = tl.constexpr(NO_TOKEN)
 BLOCK_PAGES = 64  # pages counted at once
@@ -95,7 +96,7 @@ def _page_heavy(
 def slot_programs(pairs: int, heavy: int, device: torch.device) -> int:
     """Programs sharing each (row, head)'s heavy slots: about one wave of `pairs` pairs on the device's
     multiprocessors (1 off CUDA), at most one per block of slots and `MAX_SLOT_PROGRAMS`."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    sms = num_sms(device) if device.type == "cuda" else 1
     return max(1, min(MAX_SLOT_PROGRAMS, triton.cdiv(heavy, BLOCK_SLOTS), sms // max(pairs, 1)))
 
 
