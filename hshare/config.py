@@ -265,6 +265,10 @@ class PolicyConfig:
 
     name: ClassVar[str] = ""  # the registered policy's name (set by `register_policy`)
     flat_names: ClassVar[dict[str, str]] = {}
+    # MiB of K/V reads per layer a sparse step must save on CUDA on top of `AUTO_MIN_SAVED_MIB`, for the policy's
+    # selection work beyond the label policy's (`HShareConfig.sparse_min_saved_bytes`; calibrated under CUDA
+    # graphs by `hshare bench grid`)
+    selection_min_saved_mib: ClassVar[float] = 0.0
     # why the policy cannot take `SharingConfig.successors` ("" = it can)
     refuses_successors: ClassVar[str] = ""
 
@@ -344,7 +348,8 @@ class RuntimeConfig:
             least this many MiB of K/V reads per layer, ``rows x (own columns - N_c) x`` K/V bytes per
             token (`hshare.step.StepPlanner.sparse_pays`; ``cache.planner.decision`` says what the last
             step chose and why). None = auto: on CUDA `AUTO_MIN_SAVED_MIB` for steps replayed as CUDA
-            graphs or run eagerly, 0 elsewhere; 0 = sparse at any size.
+            graphs or run eagerly, plus the policy's `PolicyConfig.selection_min_saved_mib`; 0 elsewhere;
+            0 = sparse at any size.
         sparse_prefill: at prefill, each query row of a sparse layer attends only to its own critical
             tokens (sink + local + the heavy top-k of its causal middle window by the policy's
             scores; rows with no more valid keys than N_c attend densely): the HShare paper's
@@ -368,12 +373,13 @@ class RuntimeConfig:
                                   "of MiB >= 0, or null for the device's default")
             _set(self, "dense_fallback_mib", float(mib))
 
-    def sparse_min_saved_bytes(self, device: torch.device, graphs: bool) -> float:
+    def sparse_min_saved_bytes(self, device: torch.device, graphs: bool, selection_mib: float = 0.0) -> float:
         """The K/V bytes per layer a sparse decode step must save to run on `device` (`dense_fallback_mib`),
-        for steps replayed as CUDA graphs or run eagerly."""
+        for steps replayed as CUDA graphs or run eagerly; `selection_mib` is added to the auto value on CUDA
+        (a policy's `PolicyConfig.selection_min_saved_mib`)."""
         mib = self.dense_fallback_mib
         if mib is None:
-            mib = AUTO_MIN_SAVED_MIB["graphs" if graphs else "eager"] if device.type == "cuda" else 0.0
+            mib = AUTO_MIN_SAVED_MIB["graphs" if graphs else "eager"] + selection_mib if device.type == "cuda" else 0.0
         return mib * 2**20
 
 
@@ -534,6 +540,11 @@ class HShareConfig:
             )
 
     # ---- derived quantities -------------------------------------------------------------
+    def sparse_min_saved_bytes(self, device: torch.device, graphs: bool) -> float:
+        """The K/V bytes per layer a sparse decode step of this config must save to run on `device`
+        (`RuntimeConfig.sparse_min_saved_bytes` with the policy's `PolicyConfig.selection_min_saved_mib`)."""
+        return self.runtime.sparse_min_saved_bytes(device, graphs, self.policy.selection_min_saved_mib)
+
     @property
     def candidate_count(self) -> int:
         """C: candidates a selecting head keeps for the heads, layers and steps that refine its selection

@@ -32,6 +32,7 @@ Rank: ``config.policy.rank`` (`LokiConfig`); None = ``head_dim // 4`` (a quarter
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,10 @@ class LokiConfig(PolicyConfig):
 
     rank: int | None = None
     flat_names = {"loki_rank": "rank"}
+    # its plain-PyTorch scoring (every key's projection, scores at full width, a top-k) made a sparse step slower
+    # than dense attention at every shape measured (benchmarks/RESULTS.md, Loki's crossover): dense on CUDA
+    # unless `dense_fallback_mib` says otherwise (evaluation sets it to 0)
+    selection_min_saved_mib = math.inf
 
     def __post_init__(self) -> None:
         if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)

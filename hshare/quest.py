@@ -29,10 +29,10 @@ generation can reach is allocated once (sentinels), `freeze` makes the scores co
 all reserved columns at every step, and `write` folds the step's key into its page at a column
 held in a device tensor.
 
-A selection step (`QuestPageCache.decode_heavy`) never builds those keys: it sorts the P page scores,
-finds each heavy slot's page by a search over the ranked pages' cumulative counts and its column by a
-search among its page's selectable columns, O(P log P + heavy log P) per (row, head) instead of a key
-and a top-k over every column (`kernels.page_heavy`).
+A selection step (`QuestPageCache.decode_heavy`) never builds those keys: it finds the page score where
+the budget ends (pages weighed by their selectable columns) and takes the columns of the pages above it,
+and of the tied pages in page order, a few passes over the P pages per (row, head) instead of a key and a
+top-k over every column (`kernels.page_heavy`).
 
 On CUDA a decode selection is two Triton launches per layer: the page scores (`kernels.page_scores`)
 and the heavy columns from them (`kernels.page_heavy`); their twins run on CPU. Nothing here goes
@@ -101,6 +101,9 @@ class QuestConfig(PolicyConfig):
 
     page_size: int = 16
     flat_names = {"page_size": "page_size"}
+    # a selection scores every page and ranks them at every layer, head and selection step: measured, it pays
+    # from about twice the label policy's saving (benchmarks/RESULTS.md, Quest's crossover)
+    selection_min_saved_mib = 96.0
     refuses_successors = ("quest keeps whole pages, whose columns are each other's successors, so successors would "
                           "halve its pages")
 
@@ -272,8 +275,8 @@ class QuestPageCache(SelectionPolicy):
                      heads: torch.Tensor | None = None) -> torch.Tensor:
         """The heavy columns ``[B', H', heavy]`` of a selection step from the page scores alone: the set the
         top-`heavy` of `decode_scores` over the selectable window ``[B', n]`` takes (the selectable columns of
-        the best pages, page after page, the last page cut after its first columns; ``NO_TOKEN`` past the
-        window's size), without a key per column (`kernels.page_heavy`)."""
+        the best pages, page after page, the last page cut after its first columns), in column order, then
+        ``NO_TOKEN`` past the window's size; without a key per column (`kernels.page_heavy`)."""
         scores = self.page_scores(query[:, :, None], rows, heads)[:, :, 0]  # [B', H', P]
         shift = self.shift if rows is None else self.shift.index_select(0, rows)
         return page_heavy(scores, selectable, shift, self.page_size, heavy)

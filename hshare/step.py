@@ -34,6 +34,7 @@ compiled form (`LayerShare`), the planner's evidence until the plan is built, an
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -293,15 +294,21 @@ class StepPlanner:
     def sparse_pays(self, cache: HShareCache, rows: int, columns: int, graphs: bool) -> bool:
         """Whether a sparse step saves enough reads to pay for its selection, gather and launches: the K/V bytes
         one layer would not read, ``rows x (columns - N_c) x`` K/V bytes per token, against
-        `HShareConfig.sparse_min_saved_bytes` for this device and for steps replayed as CUDA graphs or run
-        eagerly. Saved bytes grow with the columns, so a length that does not pay never paid before it.
+        `HShareConfig.sparse_min_saved_bytes` for this device, the policy and steps replayed as CUDA graphs or
+        run eagerly. Saved bytes grow with the columns, so a length that does not pay never paid before it.
         The decision and its numbers are kept in `decision`."""
-        saved = rows * max(columns - self.config.budget.total, 0) * cache.layer_kv_bytes(1, 1)
-        needed = self.config.runtime.sparse_min_saved_bytes(cache.storage_device, graphs)
+        config = self.config
+        saved = rows * max(columns - config.budget.total, 0) * cache.layer_kv_bytes(1, 1)
+        needed = config.sparse_min_saved_bytes(cache.storage_device, graphs)
         pays = saved >= needed
+        extra, policy = config.policy.selection_min_saved_mib, ""
+        if extra and config.runtime.dense_fallback_mib is None and needed:
+            policy = (f", {config.policy.name}'s selection being slower than dense attention at every size measured"
+                      if math.isinf(extra) else f", of which {extra:g} for {config.policy.name}'s selection")
         self.decision = (f"{'sparse' if pays else 'dense'}: a sparse step saves {saved / 2**20:.1f} MiB of K/V reads "
-                         f"per layer ({rows} rows x ({columns} - {self.config.budget.total}) columns), "
-                         f"{'>=' if pays else '<'} {needed / 2**20:g} MiB ({'CUDA graphs' if graphs else 'eager'})")
+                         f"per layer ({rows} rows x ({columns} - {config.budget.total}) columns), "
+                         f"{'>=' if pays else '<'} {needed / 2**20:g} MiB{policy} "
+                         f"({'CUDA graphs' if graphs else 'eager'})")
         return pays
 
     def open(self, cache: HShareCache, plan: StepPlan, valid: torch.Tensor) -> DecodeStep:

@@ -3,13 +3,14 @@
 A row's columns are paged from its first valid column: column j lies in page ``(j + shift) // page_size``.
 Pages are ranked by score (descending; ties to the earlier page); the heavy slots take the selectable
 columns of the first page in rank, then of the second, and so on, each page's in column order; the last
-page taken is cut after the columns the budget still holds. This is the set (and the order) of the
-top-``heavy`` of Quest's per-column ranking keys (`hshare.quest.QuestPageCache.token_keys`) over the
-selectable window, without a key per column.
+page taken is cut after the columns the budget still holds. This is the set of the top-``heavy`` of
+Quest's per-column ranking keys (`hshare.quest.QuestPageCache.token_keys`) over the selectable window,
+without a key per column; it is returned in column order, as the label policy's heavy columns are.
 
 `page_heavy` dispatches (`dispatch.use_triton`): CUDA tensors to one Triton launch (`page_topk_triton`: a
-program per (row, head) counts each page's selectable columns, sorts the pages, and finds each slot's page
-and column by searches), everything else to the twin `page_heavy_torch` (the CPU path and the test oracle).
+program per (row, head) counts each page's selectable columns, searches the page score where the budget
+ends, and writes the pages' columns), everything else to the twin `page_heavy_torch` (the CPU path and the
+test oracle, which sorts the pages).
 """
 
 from __future__ import annotations
@@ -43,12 +44,11 @@ def page_heavy_torch(scores: torch.Tensor, selectable: torch.Tensor, shift: torc
         heavy: slots per (row, head).
 
     Returns:
-        ``[B', H', heavy]`` int64 columns in slot order (pages by rank, columns ascending inside a page),
-        ``NO_TOKEN`` past the row's selectable count.
+        ``[B', H', heavy]`` int64 columns, ascending, then ``NO_TOKEN`` past the row's selectable count.
 
     The window is laid out by page (``[B', P, page_size]``) and counted within each page, then across
     pages; the P scores are sorted (stable); each slot finds its page by a search over the ranked pages'
-    cumulative counts, and its column by a search over the row's running count.
+    cumulative counts, and its column by a search over the row's running count; the columns are sorted.
     """
     count, width, pages = scores.shape
     size, n, device = page_size, selectable.shape[-1], scores.device
@@ -67,4 +67,6 @@ def page_heavy_torch(scores: torch.Tensor, selectable: torch.Tensor, shift: torc
     offset = slot - (reach.gather(-1, ranked) - in_order.gather(-1, ranked))  # its rank inside the page
     rank = before[:, None].expand(count, width, pages).gather(-1, page) + offset  # its rank in the row
     virtual = torch.searchsorted(running, (rank + 1).reshape(count, -1)).reshape(rank.shape)
-    return torch.where(slot < reach[..., -1:], virtual - shift[:, None, None], torch.full_like(virtual, NO_TOKEN))
+    past = slot >= reach[..., -1:]
+    columns = torch.where(past, n, virtual - shift[:, None, None]).sort(-1).values  # past the count: last
+    return columns.masked_fill_(columns == n, NO_TOKEN)

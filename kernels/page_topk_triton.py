@@ -1,21 +1,21 @@
 """Triton Quest heavy columns from page scores: the twin of `page_topk.page_heavy_torch`, one launch.
 
-Program (row, head, share of the heavy slots):
+Program (row, head), every page in registers (P_PAD of them):
 
-1. counts each page's selectable columns (the row's window read by page, ``BLOCK_PAGES`` pages at a time)
-   into its scratch row;
-2. sorts its P page scores in registers, each packed with its page into one int64 key (the score's bits
-   made order-preserving in the high half, ``P_PAD - 1 - page`` in the low half: a descending sort puts
-   the earlier page first among equal scores, as the twin's stable sort does; ``-0.0`` is read as ``+0.0``);
-   the ranked pages and the running count of selectable columns over them go to its scratch rows;
-3. for each block of its share of the heavy slots: the slot's ranked page by a binary search over the
-   running count, its offset inside the page, and its column by a count over the page's selectable flags.
+1. counts each page's selectable columns (the row's window read by page, about ``BLOCK_COLUMNS`` columns at
+   a time) into its scratch row;
+2. finds the page score where the budget ends: the exact search of `key_search_triton._exact_threshold`
+   over the pages' order-preserving score keys, each page weighed by its selectable columns (pages holding
+   none weigh nothing and are never taken): the pages above it weigh less than the budget, those at or
+   above it at least as much;
+3. takes every selectable column of the pages above that score, and of the pages at it (ties) in page
+   order until the budget is spent (the last one cut after its first columns): a running count over the
+   pages gives each page's first slot, and the taken pages are listed in page order;
+4. writes the taken pages' columns, ``BLOCK_TAKEN`` pages at a time, in column order.
 
-At few rows the (row, head) pairs leave most of the device idle: the slots are then shared out over up to
-`MAX_SLOT_PROGRAMS` programs per pair (each counting and ranking the pages again), so that about one wave
-runs (`slot_programs`). Scratch: ``[B' * H' * S, 3, P_PAD]`` int32 (S programs a pair), made per call
-(inside a CUDA graph, in the graph's pool). No device value is read on the host: the launch is CUDA-graph
-capturable.
+No sort: a few block reductions over P pages whatever the budget. No device value is read on the host:
+the launch is CUDA-graph capturable. Scratch: ``[B' * H', 3, P_PAD]`` int32, made per call (inside a CUDA
+graph, in the graph's pool).
 """
 
 from __future__ import annotations
@@ -25,85 +25,88 @@ import triton
 import triton.language as tl
 
 from .critical_indices import NO_TOKEN
-from .gather_attention_triton import num_sms
+from .key_search_triton import _exact_threshold, _fill_empty, _first_value, _sum_min_max
 
-_NO_TOKEN = tl.constexpr(NO_TOKEN)
-BLOCK_PAGES = 64  # pages counted at once
-BLOCK_SLOTS = 128  # heavy slots resolved at once
-MAX_SLOT_PROGRAMS = 4  # programs sharing one (row, head)'s slots (each ranks the pages again: more cost more)
+BLOCK_COLUMNS = 16384  # window columns counted at once
+BLOCK_TAKEN = 64  # taken pages written at once
+
+
+@triton.jit
+def _page_columns(sel_row, page, offsets, shift, pages, n, SIZE: tl.constexpr):
+    """``[BLOCK, SIZE_PAD]`` flags of the selectable columns of the pages `page`, and their columns."""
+    column = page[:, None] * SIZE + offsets[None, :] - shift
+    ok = (page < pages)[:, None] & (offsets < SIZE)[None, :] & (column >= 0) & (column < n)
+    return tl.load(sel_row + column, mask=ok, other=0).to(tl.int32), column
 
 
 @triton.jit
 def _page_heavy(
-    scores_ptr, sel_ptr, shift_ptr, out_ptr, work_ptr, pages, n, heavy, slots_per_program, s_sel,
-    HEADS: tl.constexpr, SIZE: tl.constexpr, SIZE_PAD: tl.constexpr, P_PAD: tl.constexpr, LOG_P: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    scores_ptr, sel_ptr, shift_ptr, out_ptr, work_ptr, pages, n, heavy, s_sel,
+    HEADS: tl.constexpr, SIZE: tl.constexpr, SIZE_PAD: tl.constexpr, P_PAD: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, TILE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     row = pid // HEADS
     shift = tl.load(shift_ptr + row)
     sel_row = sel_ptr + row * s_sel
-    counts = work_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * (3 * P_PAD)
-    ranked_pages = counts + P_PAD
-    reach = counts + 2 * P_PAD
+    counts = work_ptr + pid * (3 * P_PAD)
+    chosen = counts  # reused once the counts are in registers
+    takes = counts + P_PAD
+    firsts = counts + 2 * P_PAD
+    out_row = out_ptr + pid * heavy
     offsets = tl.arange(0, SIZE_PAD)
     # 1. selectable columns per page
     for p0 in range(0, P_PAD, BLOCK_P):
-        page = p0 + tl.arange(0, BLOCK_P)
-        column = page[:, None] * SIZE + offsets[None, :] - shift
-        ok = (page < pages)[:, None] & (offsets < SIZE)[None, :] & (column >= 0) & (column < n)
-        flags = tl.load(sel_row + column, mask=ok, other=0).to(tl.int32)
-        tl.store(counts + page, tl.sum(flags, 1))
-    # 2. pages ranked by score, the running count over them
+        block = p0 + tl.arange(0, BLOCK_P)
+        flags, _ = _page_columns(sel_row, block, offsets, shift, pages, n, SIZE)
+        tl.store(counts + block, tl.sum(flags, 1))
+    tl.debug_barrier()  # the counts are written
+    # 2. the score key where the budget ends (weighed by the pages' selectable columns)
     page = tl.arange(0, P_PAD)
+    count = tl.load(counts + page)
     score = tl.load(scores_ptr + pid * pages + page, mask=page < pages, other=0.0) + 0.0  # -0.0 -> +0.0
     bits = score.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order = float order
-    ordered = tl.where(page < pages, ordered, -2147483647 - 1)  # padding pages last
-    key = (ordered.to(tl.int64) << 32) | (P_PAD - 1 - page).to(tl.int64)
-    key = tl.sort(key, 0, descending=True)
-    best = (P_PAD - 1 - (key - ((key >> 32) << 32))).to(tl.int32)
-    tl.debug_barrier()  # the counts of step 1 are written
-    in_order = tl.load(counts + best, mask=best < pages, other=0)
-    total = tl.sum(in_order, 0)
-    tl.store(ranked_pages + page, best)
-    tl.store(reach + page, tl.cumsum(in_order, 0))
-    tl.debug_barrier()  # the ranked pages and their running count are written
-    # 3. each slot's page and column
-    first = tl.program_id(1) * slots_per_program
-    for s0 in range(first, tl.minimum(first + slots_per_program, heavy), BLOCK_S):
-        slot = s0 + tl.arange(0, BLOCK_S)
-        lo = tl.zeros((BLOCK_S,), tl.int32)
-        hi = tl.full((BLOCK_S,), P_PAD, tl.int32)
-        for _ in tl.static_range(LOG_P + 1):  # the first ranked page whose running count exceeds the slot
-            mid = (lo + hi) // 2
-            open_ = lo < hi
-            right = tl.load(reach + tl.minimum(mid, P_PAD - 1)) <= slot
-            lo = tl.where(open_ & right, mid + 1, lo)
-            hi = tl.where(open_ & ~right, mid, hi)
-        rank = tl.minimum(lo, P_PAD - 1)
-        chosen = tl.load(ranked_pages + rank)
-        offset = slot - (tl.load(reach + rank) - tl.load(counts + chosen, mask=chosen < pages, other=0))
-        column = chosen[:, None] * SIZE + offsets[None, :] - shift
-        ok = (offsets < SIZE)[None, :] & (column >= 0) & (column < n) & (chosen < pages)[:, None]
-        flags = tl.load(sel_row + column, mask=ok, other=0).to(tl.int32)
-        inside = tl.sum((tl.cumsum(flags, 1) <= offset[:, None]).to(tl.int32), 1)  # flags before the wanted one
-        found = chosen.to(tl.int64) * SIZE + inside - shift
-        result = tl.where(slot < total, found, _NO_TOKEN)
-        tl.store(out_ptr + pid * heavy + slot, result, mask=slot < heavy)
-
-
-def slot_programs(pairs: int, heavy: int, device: torch.device) -> int:
-    """Programs sharing each (row, head)'s heavy slots: about one wave of `pairs` pairs on the device's
-    multiprocessors (1 off CUDA), at most one per block of slots and `MAX_SLOT_PROGRAMS`."""
-    sms = num_sms(device) if device.type == "cuda" else 1
-    return max(1, min(MAX_SLOT_PROGRAMS, triton.cdiv(heavy, BLOCK_SLOTS), sms // max(pairs, 1)))
+    ok = (page < pages) & (count > 0)
+    key = tl.where(ok, bits ^ ((bits >> 31) & 0x7FFFFFFF), -2147483647 - 1)  # int32 order = float order
+    weight = tl.where(ok, count, 0)
+    taken_pages, smallest, largest = tl.reduce((ok.to(tl.int32), tl.where(ok, key, 2147483647), key), 0, _sum_min_max)
+    total = tl.sum(weight, 0)
+    r = tl.minimum(total, heavy)
+    threshold = tl.zeros((), tl.int32) + 2147483647  # nothing above: no page taken
+    ties = tl.zeros((), tl.int32)
+    if r > 0:
+        aim = (r.to(tl.float32) - 0.5) * taken_pages.to(tl.float32) / total.to(tl.float32)  # in pages
+        first = _first_value(key, ok, taken_pages, aim)
+        threshold, ties = _exact_threshold(key, weight, out_row, 0, r, smallest, total, largest.to(tl.int64) + 1,
+                                           first, False, TILE)
+    # 3. what each page takes (the tied pages in page order, the last one cut), and its first slot
+    tie = key == threshold
+    tie_weight = tl.where(tie, weight, 0)
+    tie_before = tl.cumsum(tie_weight, 0) - tie_weight
+    take = tl.where(key > threshold, weight, tl.minimum(tl.maximum(ties - tie_before, 0), tie_weight))
+    taken = take > 0
+    tl.debug_barrier()  # every count is read: the scratch rows are free
+    tl.store(chosen + tl.cumsum(taken.to(tl.int32), 0) - 1, page, mask=taken)  # the taken pages, in page order
+    tl.store(takes + page, take)
+    tl.store(firsts + page, tl.cumsum(take, 0) - take)
+    tl.debug_barrier()  # the taken pages, their takes and first slots are written
+    # 4. the taken pages' columns
+    taken_count = tl.sum(taken.to(tl.int32), 0)
+    for c0 in range(0, taken_count, BLOCK_T):
+        index = c0 + tl.arange(0, BLOCK_T)
+        at = tl.load(chosen + index, mask=index < taken_count, other=P_PAD)
+        in_page, column = _page_columns(sel_row, at, offsets, shift, pages, n, SIZE)
+        before = tl.cumsum(in_page, 1) - in_page  # selectable columns before each in its page
+        keep = (in_page != 0) & (before < tl.load(takes + at, mask=at < P_PAD, other=0)[:, None])
+        slot = tl.load(firsts + at, mask=at < P_PAD, other=0)[:, None] + before
+        tl.store(out_row + slot, column.to(tl.int64), mask=keep)
+    _fill_empty(out_row, r, heavy, TILE)
 
 
 def page_heavy_triton(scores: torch.Tensor, selectable: torch.Tensor, shift: torch.Tensor, page_size: int,
-                      heavy: int, programs: int | None = None) -> torch.Tensor:
+                      heavy: int) -> torch.Tensor:
     """`page_heavy` of fp32 page scores ``[B', H', P]``, the window ``[B', n]`` and shifts ``[B']``:
-    ``[B', H', heavy]`` int64. `programs`: per (row, head), default `slot_programs`."""
+    ``[B', H', heavy]`` int64."""
     count, width, pages = scores.shape
     n = selectable.shape[-1]
     out = torch.empty(count, width, heavy, dtype=torch.int64, device=scores.device)
@@ -116,14 +119,12 @@ def page_heavy_triton(scores: torch.Tensor, selectable: torch.Tensor, shift: tor
     flags = selectable.view(torch.uint8)
     shift = shift.to(torch.int64).contiguous()
     p_pad = max(16, triton.next_power_of_2(pages))
-    programs = programs or slot_programs(count * width, heavy, scores.device)
-    share = triton.cdiv(triton.cdiv(heavy, BLOCK_SLOTS), programs) * BLOCK_SLOTS  # whole blocks a program
-    programs = triton.cdiv(heavy, share)
-    work = torch.empty(count * width * programs, 3, p_pad, dtype=torch.int32, device=scores.device)
-    _page_heavy[(count * width, programs)](
-        scores, flags, shift, out, work, pages, n, heavy, share, flags.stride(0),
-        HEADS=width, SIZE=page_size, SIZE_PAD=max(2, triton.next_power_of_2(page_size)), P_PAD=p_pad,
-        LOG_P=p_pad.bit_length() - 1, BLOCK_P=min(BLOCK_PAGES, p_pad), BLOCK_S=BLOCK_SLOTS,
-        num_warps=4 if p_pad <= 1024 else 8,
+    size_pad = max(2, triton.next_power_of_2(page_size))
+    work = torch.empty(count * width, 3, p_pad, dtype=torch.int32, device=scores.device)
+    _page_heavy[(count * width,)](
+        scores, flags, shift, out, work, pages, n, heavy, flags.stride(0),
+        HEADS=width, SIZE=page_size, SIZE_PAD=size_pad, P_PAD=p_pad,
+        BLOCK_P=min(max(16, BLOCK_COLUMNS // size_pad), p_pad), BLOCK_T=BLOCK_TAKEN, TILE=min(1024, p_pad),
+        num_warps=4 if p_pad <= 1024 else 8 if p_pad <= 4096 else 16,
     )
     return out

@@ -226,6 +226,15 @@ def test_grid_tables():
     assert lines[2] == "| llama3-8b | 1 | 1024 | 4 | 100.0 | 80.0 | 0.80x | dense (right) |"
     assert lines[3] == "| llama3-8b | 4 | 131072 | 2048 | 40.0 | 30.0 | 0.75x | sparse (wrong) |"
     assert lines[4] == "| llama3-8b | 64 | 4096 | 1024 | skipped | skipped | - | sparse |"
+    # within 5% of the faster path is right; a path that follows its default (no forced sparse) gets no verdict
+    default = "hshare-1_2-1_2-1_2@512"
+    near = [_row("dense", 4, 131072, 40.0), _row(sparse, 4, 131072, 38.5), _row(default, 4, 131072, 38.4),
+            _row("dense", 1, 1024, 100.0), _row(sparse, 1, 1024, 104.0), _row(default, 1, 1024, 99.0)]
+    lines = grid.crossover_table(near, {"llama3-8b": config}, 2, cuda)
+    assert lines[2].endswith("| 38.5 | 0.96x | sparse (right) | 38.4 | 0.96x | sparse |")
+    assert lines[3].endswith("| 104.0 | 1.04x | dense (right) | 99.0 | 0.99x | dense |")
+    near[4] = _row(sparse, 1, 1024, 106.0)
+    assert grid.crossover_table(near, {"llama3-8b": config}, 2, cuda)[3].endswith("| 1.06x | dense (wrong) | 99.0 | 0.99x | dense |")
     # 96 MiB saved (graphs) crossed between the first step and the last: 1 x (25070 + 1 .. 25070 + 31 - 512) x 4 KiB
     assert grid.default_runs(sparse, config, 1, 25070, 32, 2, cuda) == "mixed"
     assert grid.default_runs("dense", config, 1, 1024, 32, 2, cuda) == "-"

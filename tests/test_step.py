@@ -57,3 +57,43 @@ def test_auto_threshold_by_device_and_graphs():
     assert config.prefix.min_saved(cuda, graphs=True) == auto["graphs"] < auto["eager"]
     assert config.prefix.min_saved(cuda, graphs=False) == config.prefix.min_saved(cpu, graphs=True) == auto["eager"]
     assert config.replace(prefix_min_saved_tokens=7).prefix.min_saved(cuda, graphs=True) == 7
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_policy_with_a_costlier_selection_needs_more_saved(graphs):
+    """Quest's selection (every page scored and ranked) adds its `selection_min_saved_mib` to the auto threshold
+    on CUDA, Loki's never pays there; the label policy adds nothing; an explicit `dense_fallback_mib` and the CPU's 0 stay as they are.
+    The planner's rule, on a stand-in CUDA cache, runs a step sparse exactly from that threshold and says why."""
+    from types import SimpleNamespace
+
+    from hshare.config import AUTO_MIN_SAVED_MIB
+    from hshare.step import StepPlanner
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    base = AUTO_MIN_SAVED_MIB["graphs" if graphs else "eager"]
+    labels, quest = HShareConfig.from_preset("ds@512"), HShareConfig.from_preset("quest@512")
+    extra = quest.policy.selection_min_saved_mib
+    assert extra > 0 and labels.policy.selection_min_saved_mib == 0
+    assert labels.sparse_min_saved_bytes(cuda, graphs) == base * 2**20
+    assert quest.sparse_min_saved_bytes(cuda, graphs) == (base + extra) * 2**20
+    assert quest.sparse_min_saved_bytes(cpu, graphs) == 0
+    assert quest.replace(dense_fallback_mib=5).sparse_min_saved_bytes(cuda, graphs) == 5 * 2**20
+    token_bytes = int(torch.randint(1, 9, ())) * 4096  # K and V of one token in one layer
+    cache = SimpleNamespace(storage_device=cuda, layer_kv_bytes=lambda rows, columns: rows * columns * token_bytes)
+    rows = int(torch.randint(1, 5, ()))
+    for config in (labels, quest):
+        planner = StepPlanner(config, num_layers=2)
+        needed = config.sparse_min_saved_bytes(cuda, graphs)
+        first = -(-int(needed) // (rows * token_bytes)) + config.budget.total  # the fewest columns that save it
+        assert not planner.sparse_pays(cache, rows, first - 1, graphs)
+        assert planner.decision.startswith("dense")
+        assert planner.sparse_pays(cache, rows, first, graphs)
+        assert planner.decision.startswith("sparse")
+        assert (f"of which {extra:g} for quest's selection" in planner.decision) == (config is quest)
+    # Loki's selection never paid on CUDA: dense at any size by default, sparse where the fallback is off
+    loki = HShareConfig.from_preset("loki")
+    planner = StepPlanner(loki, num_layers=2)
+    assert not planner.sparse_pays(cache, rows, 10**9, graphs)
+    assert "loki's selection being slower than dense attention" in planner.decision
+    assert StepPlanner(loki.replace(dense_fallback_mib=0), num_layers=2).sparse_pays(cache, rows, 10**9, graphs)
+    assert loki.sparse_min_saved_bytes(cpu, graphs) == 0

@@ -35,6 +35,8 @@ from hshare.bench.generate import GenerateRow
 from hshare.bench.results import environment
 from hshare.config import split_overrides
 
+RIGHT_SHARE = 0.95  # the default config of a preset reaches this share of the faster of its sparse and dense paths
+
 
 def parse_tokens(text: str) -> int:
     """A token count: ``"4096"``, or with a ``k`` suffix (x 1024): ``"4k"``, ``"128k"``."""
@@ -70,7 +72,7 @@ def default_runs(path: str, model_config, rows: int, prompt: int, new_tokens: in
     config = generate.path_config(path, without=("dense_fallback_mib",))
     if config is None or not config.sparse:
         return "-"
-    threshold = config.runtime.sparse_min_saved_bytes(device, graphs=True)
+    threshold = config.sparse_min_saved_bytes(device, graphs=True)
     token = rows * roofline.kv_token_bytes(model_config, element_bytes)
     if token * max(prompt + new_tokens - 1 - config.budget.total, 0) < threshold:
         return "dense"
@@ -107,10 +109,12 @@ def crossover_table(rows: list[GenerateRow], model_configs: dict, element_bytes:
                     device: torch.device) -> list[str]:
     """Markdown lines, one per ``(shape, rows, prompt)``: per-layer KV at the prompt, ``dense``'s rate, and
     for each sparse path its rate, its ratio to dense and what its config's default would run
-    (`default_runs`), with ``(right)`` when that is the faster of the two, ``(wrong)`` when not. Empty
+    (`default_runs`); for a path that runs sparse at every size (``dense_fallback_mib=0``), ``(right)`` when the
+    default's choice reaches `RIGHT_SHARE` of the faster of the two rates, ``(wrong)`` when not. Empty
     without a ``dense`` row and a sparse path. `model_configs`: each shape's model config."""
     paths = list(dict.fromkeys(r.path for r in rows))
     sparse_paths = [p for p in paths if getattr(generate.path_config(p), "sparse", False)]
+    forced_sparse = {p: generate.path_config(p).runtime.dense_fallback_mib == 0 for p in sparse_paths}
     if "dense" not in paths or not sparse_paths:
         return []
     header = "| shape | B | prompt | KV/layer MiB | dense tok/s |" + "".join(
@@ -129,8 +133,9 @@ def crossover_table(rows: list[GenerateRow], model_configs: dict, element_bytes:
             measured = row is not None and not row.error and dense is not None and not dense.error
             ratio = row.decode_tok_s / dense.decode_tok_s if measured and dense.decode_tok_s else None
             verdict = ""
-            if ratio is not None and runs in ("dense", "sparse"):
-                verdict = " (right)" if (runs == "sparse") == (ratio > 1.0) else " (wrong)"
+            if ratio is not None and runs in ("dense", "sparse") and forced_sparse[path]:
+                chosen = ratio if runs == "sparse" else 1.0  # the chosen path's rate over dense's
+                verdict = " (right)" if chosen >= RIGHT_SHARE * max(ratio, 1.0) else " (wrong)"
             line += (f" {_rate(row) if row else '-'} | {f'{ratio:.2f}x' if ratio is not None else '-'} |"
                      f" {runs}{verdict} |")
         lines.append(line)
