@@ -1,5 +1,6 @@
 # Two commands: `make demo` sets everything up (a .venv here) and runs the demo on the embedded
-# default model; `make test` runs the tests. TORCH_SPEC picks the PyTorch build: the default is
+# default model; `make test` runs the tests, then compiles for an H100 (sm_90) every Triton kernel
+# specialization they ran in the interpreter (tests/hopper_compile.py). TORCH_SPEC picks the PyTorch build: the default is
 # the CPU wheel (torch==2.13.0); on a CUDA machine use e.g. `make demo TORCH_SPEC=torch`.
 #
 # transformers: a fresh install gets the newest release of the tested range (pyproject.toml,
@@ -30,7 +31,9 @@ demo: setup
 
 test: setup
 	$(BIN)/python -c "import transformers; print('transformers', transformers.__version__)"
-	$(BIN)/python -m pytest -q
+	rm -f $(VENV)/kernels.json
+	HSHARE_RECORD_KERNELS=$(VENV)/kernels.json $(BIN)/python -m pytest -q
+	env -u TRITON_INTERPRET $(BIN)/python tests/hopper_compile.py $(VENV)/kernels.json
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow

@@ -97,3 +97,21 @@ def greedy(model, ids, mask, new_tokens: int = 12, **kwargs):
 @pytest.fixture(params=["gqa", "mha"])
 def llama(request):
     return tiny_llama(kv_heads=2 if request.param == "gqa" else 4)
+
+
+# ``HSHARE_RECORD_KERNELS=<file>``: record the Triton kernel specializations the interpreter runs, for
+# `hopper_compile.py` (here) to compile for sm_90 after the run (``make test`` does both).
+_KERNEL_RECORDS: dict | None = None
+if os.environ.get("HSHARE_RECORD_KERNELS") and os.environ.get("TRITON_INTERPRET") == "1":
+    from hopper_compile import install_recorder  # noqa: E402
+
+    _KERNEL_RECORDS = {}
+    install_recorder(_KERNEL_RECORDS, "hshare.")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _KERNEL_RECORDS is not None:
+        import json
+
+        with open(os.environ["HSHARE_RECORD_KERNELS"], "w") as handle:
+            json.dump(_KERNEL_RECORDS, handle, default=repr)
