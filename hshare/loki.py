@@ -25,7 +25,9 @@ Storage: the projected keys, a column buffer ``[B, Hkv, n, r]`` in the keys' dty
 keys' bytes; `nbytes`), and ``P`` per row, ``[B, Hkv, d, r]`` in float32 (float64 for float64 keys;
 not in `nbytes`, as the label policy's channels are not). Static shapes (`hshare.static_decode`):
 `write` projects the key at a column held in a device tensor into the frozen buffer (no host value).
-Plain PyTorch, CPU and CUDA alike.
+
+A decode selection of 16-bit keys is the label policy's fused scoring and top-k (`decode_heavy`,
+`kernels.label_topk` with the projected keys as 16-bit labels); everything else is plain PyTorch.
 
 Rank: ``config.policy.rank`` (`LokiConfig`); None = ``head_dim // 4`` (a quarter of the head dimension).
 """
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hshare.config import ConfigError, HShareConfig, PolicyConfig
+from hshare.kernels import label_topk
 from hshare.policy import SelectionPolicy, register_policy
 
 if TYPE_CHECKING:
@@ -55,9 +58,9 @@ class LokiConfig(PolicyConfig):
 
     rank: int | None = None
     flat_names = {"loki_rank": "rank"}
-    # its plain-PyTorch scoring (every key's projection, scores at full width, a top-k) made a sparse step slower
-    # than dense attention at every shape measured (benchmarks/RESULTS.md, Loki's crossover): dense on CUDA
-    # unless `dense_fallback_mib` says otherwise (evaluation sets it to 0)
+    # a sparse step was slower than dense attention at every shape of Loki's crossover (benchmarks/RESULTS.md):
+    # dense on CUDA unless `dense_fallback_mib` says otherwise (evaluation sets it to 0), until that grid is run
+    # with the fused 16-bit selection (`LokiKeyCache.decode_heavy`)
     selection_min_saved_mib = math.inf
 
     def __post_init__(self) -> None:
@@ -194,3 +197,20 @@ class LokiKeyCache(SelectionPolicy):
                       heads: torch.Tensor | None = None) -> torch.Tensor:
         """Approximate logits ``[B', H', n]`` for the decode query ``[B, Hq, d]`` of some rows and heads."""
         return self.token_scores(self.project_queries(query[:, :, None], rows, heads), rows, heads)[:, :, 0]
+
+    def decode_heavy(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int, rows: torch.Tensor | None = None,
+                     heads: torch.Tensor | None = None) -> torch.Tensor:
+        """16-bit keys (bf16, fp16): the projected keys are 16-bit labels of r channels and the projected query
+        their query labels, so scoring and the heavy top-k are the label policy's fused operation
+        (`kernels.label_topk`: on CUDA the ``[B', H', n]`` scores are never written; its twin elsewhere), each
+        selection head reading its KV head's keys. The scores equal `decode_scores`' up to the order of the r
+        products' sum. Other dtypes: `decode_scores` then the top-k."""
+        keys = self.projected.view()
+        if keys.dtype not in (torch.bfloat16, torch.float16):
+            return super().decode_heavy(query, selectable, heavy, rows, heads)
+        projected = self.project_queries(query[:, :, None], rows, heads)[:, :, 0]  # [B', H', r]
+        kv = None
+        if heads is not None or self.sel_heads != self.kv_heads:  # the KV head each selection head reads
+            picked = torch.arange(self.sel_heads, device=keys.device)[None] if heads is None else heads
+            kv = picked * self.kv_heads // self.sel_heads
+        return label_topk(projected, keys, None, None, 16, heavy, selectable=selectable, rows=rows, heads=kv)

@@ -1,6 +1,8 @@
 """The Loki selection policy: principal components, scores, full-rank exactness, static writes, and
 generate under sharing, static decode and a shared prefix."""
 
+import os
+
 import pytest
 import torch
 
@@ -134,6 +136,43 @@ def test_full_rank_top_k_is_the_exact_logits_top_k(selection):
     top = torch.where(middle, scores, minus).topk(12, dim=-1).indices.sort(-1).values
     reference = torch.where(middle, exact, minus).topk(12, dim=-1).indices.sort(-1).values
     assert torch.equal(top, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("selection,kv_heads", [("kv_head", 2), ("query_head", 2), ("kv_head", 4)])
+def test_16_bit_decode_selection_is_the_fused_label_top_k(monkeypatch, dtype, selection, kv_heads):
+    """16-bit projected keys: `decode_heavy` is the label top-k with the keys as 16-bit labels, each selection
+    head reading its KV head. Against the brute force: the chosen columns are the selectable columns of the best
+    `decode_scores` (a set; ties within rounding either way), short windows hold NO_TOKEN; rows and heads
+    subsets; the Triton kernel (interpreted on CPU) equals the twin column for column."""
+    keys, valid = padded_keys([37, 20, 29], decoded=4, kv_heads=kv_heads, dim=16, seed=5)
+    cache = loki_cache(keys.to(dtype), valid, 37, 4, selection, rank=int(torch.randint(2, 7, ())) * 2)
+    assert cache.projected.view().dtype == dtype
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1000, ())))
+    query = torch.randn(3, 4, 16, generator=gen).to(dtype)
+    selectable = valid & (torch.rand(valid.shape, generator=gen) < 0.8)
+    selectable[1, :] = selectable[1, :] & (torch.arange(valid.shape[1]) > 30)  # a short window
+    for heavy in (5, 12):
+        for rows, heads in ((None, None), (torch.tensor([2, 1]), torch.tensor([[cache.sel_heads - 1, 0]]))):
+            window = selectable if rows is None else selectable.index_select(0, rows)
+            monkeypatch.setenv("HSHARE_KERNELS", "torch")
+            got = cache.decode_heavy(query, window, heavy, rows, heads)
+            scores = cache.decode_scores(query, rows, heads)  # fp32 of the same 16-bit keys
+            minus = torch.tensor(float("-inf"))
+            ranked = torch.where(window[:, None], scores, minus)
+            for a in range(got.shape[0]):
+                for h in range(got.shape[1]):
+                    chosen = got[a, h][got[a, h] >= 0]
+                    assert len(chosen) == min(heavy, int(window[a].sum())) and bool(window[a, chosen].all())
+                    assert len(set(chosen.tolist())) == len(chosen)
+                    if len(chosen) < int(window[a].sum()):  # nothing left out scores above what was taken
+                        left = ranked[a, h].clone()
+                        left[chosen] = minus
+                        taken = float(ranked[a, h, chosen].min())
+                        assert float(left.max()) <= taken + 1e-5 * abs(taken) + 1e-4  # rounding of the sums
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                monkeypatch.setenv("HSHARE_KERNELS", "triton")
+                assert torch.equal(cache.decode_heavy(query, window, heavy, rows, heads), got)
 
 
 def test_static_writes_equal_appends():
