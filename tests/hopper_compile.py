@@ -17,12 +17,13 @@ all pass there and fail at the first launch on a GPU. This catches them on a mac
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import sys
 from typing import Any
 
-PER_KERNEL = 4  # distinct specializations kept per kernel
+PER_KERNEL = 8  # distinct specializations kept per kernel (the first met)
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64",
            "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
@@ -60,7 +61,11 @@ def install_recorder(records: dict, module_prefix: str) -> None:
             kind = argument_type(value)
             tensor = kind is not None and kind.startswith("*")
             spec["arguments"][name] = {"type": kind} if tensor else {"type": kind, "value": value}
-        key = json.dumps(spec, sort_keys=True, default=repr)
+        # distinct by constexpr values, tensor dtypes and launch options (not by the values of plain scalars)
+        constexprs = {name for name, kind in inspect.get_annotations(fn).items() if "constexpr" in str(kind)}
+        key = json.dumps({name: arg if name in constexprs or "value" not in arg else arg["type"]
+                          for name, arg in spec["arguments"].items()} | {"options": spec["options"]},
+                         sort_keys=True, default=repr)
         kernel = records.setdefault(f"{fn.__module__}:{fn.__name__}", {})
         if key not in kernel and len(kernel) < PER_KERNEL:
             kernel[key] = spec
