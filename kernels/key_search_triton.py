@@ -1,5 +1,6 @@
 """Triton order-preserving score keys and the exact top-r search over them, shared by the fused label top-k
-(`label_topk_triton`) and the successors walk (`successors_triton`).
+(`label_topk_triton`), the successors walk (`successors_triton`) and Quest's page top-k (`page_topk_triton`,
+pages weighed by their selectable columns).
 
 Scores are compared as order-preserving int32 *keys* of their fp32 values (-0.0 as +0.0); an entry with no
 score has the key ``INT32_MIN`` (never counted).
