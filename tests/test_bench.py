@@ -238,6 +238,11 @@ def test_grid_tables():
     # 96 MiB saved (graphs) crossed between the first step and the last: 1 x (25070 + 1 .. 25070 + 31 - 512) x 4 KiB
     assert grid.default_runs(sparse, config, 1, 25070, 32, 2, cuda) == "mixed"
     assert grid.default_runs("dense", config, 1, 1024, 32, 2, cuda) == "-"
+    # a policy's selection term moves its crossover: Quest's cells of the measured grid (4 KiB a token and layer)
+    assert grid.default_runs("quest@1024", config, 1, 32768, 32, 2, cuda) == "dense"  # 124 MiB < 96 + 96
+    assert grid.default_runs("quest@1024", config, 4, 16384, 32, 2, cuda) == "sparse"  # 240 MiB
+    assert grid.default_runs("hshare-1_2-1_2-1_2@1024", config, 1, 32768, 32, 2, cuda) == "sparse"
+    assert grid.default_runs("loki@1024", config, 4, 131072, 32, 2, cuda) == "dense"
     assert grid.crossover_table([r for r in rows if r.path == "dense"], {"llama3-8b": config}, 2, cuda) == []
     table = grid.rows_table([_row("static", 4, 32768, 60.0, peak=50.0), _row("dense", 4, 32768, 285.0, peak=50.1)])
     assert table[2] == "| llama3-8b | 4 | 32768 | static | 60.0 | 1.00x static | 20.0 | 400 | 15% | 50.00 | 1.00 |"
