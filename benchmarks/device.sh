@@ -27,6 +27,8 @@
 #   profile    the replayed decode step's kernels (8 layers), and the same with the torch.topk twin
 #   gather     the gather kernel's launch sweep (tune_kernels.py gather)
 #   topk       the heavy top-k kernel alone, by warps (tune_kernels.py topk)
+#   labelchunks the fused label top-k at B4 x 32k and B1 x 128k by columns per program (4096, 8192, 16384), and
+#              with 16-bit labels of 32 channels (what a Loki selection of rank 32 reads)
 #   peak       what is allocated at the peak of a generate, by site (peak_memory.py; PEAK_ARGS overrides the
 #              shape, default B8 1k prompts)
 #   long       long32k then long128k, two runs of at most 270 s: Llama-3-8B shape B4 x 32k (one row in four padded) and Llama-3.1-8B
@@ -178,6 +180,13 @@ PY
       timeout 240 python3 benchmarks/tune_kernels.py gather 2>&1 | tee "$OUT/tune_gather.log" ;;
     topk)
       timeout 240 python3 benchmarks/tune_kernels.py topk 2>&1 | tee "$OUT/tune_topk.log" ;;
+    labelchunks)
+      for chunk in 4096 8192 16384; do
+        timeout 100 python3 benchmarks/label_topk_timing.py --shapes 4x8x32768,1x8x131072 --heavy 944 --chunk $chunk \
+          --json "$OUT/label_topk_chunk$chunk.json" 2>&1 | grep -v Warning | tee -a "$OUT/label_chunks.log"
+      done
+      timeout 100 python3 benchmarks/label_topk_timing.py --shapes 4x8x32768,1x8x131072 --heavy 944 --bits 16 \
+        --channels 32 --json "$OUT/label_topk_loki.json" 2>&1 | grep -v Warning | tee -a "$OUT/label_chunks.log" ;;
     peak)
       timeout 300 python3 benchmarks/peak_memory.py ${PEAK_ARGS:---batch 8 --prompt 1024} \
         --paths static,dense,$HS@512 2>&1 | grep -v Warning | tee "$OUT/peak_memory.log" ;;
@@ -471,12 +480,12 @@ eval_part() {
 
 run_part() {
   case $1 in
-    suite|tests|selection|linear|crossover|refine32k|long32k|long128k|llama2|unfused|llama3|prefix|b8|prefill|profile|gather|topk|peak|long|grid|gridquest|candidates) one_gpu_part "$1" ;;
+    suite|tests|selection|linear|crossover|refine32k|long32k|long128k|llama2|unfused|llama3|prefix|b8|prefill|profile|gather|topk|labelchunks|peak|long|grid|gridquest|candidates) one_gpu_part "$1" ;;
     tests2gpu|tp8b|one8b|tp70b|devmap|fallback0|table2gpu) two_gpu_part "$1" 2>&1 | tee "$OUT/$1.log" ;;
     setup|fidelity|gsm8k|multi_news|ablation|ruler|fidelity8k|evalcmd)
       eval_part "$1" 2>&1 | tee "$OUT/$1.log" ;;
     *)
-      echo "unknown part '$1'; accepted: suite tests selection crossover refine32k long32k long128k llama2 unfused llama3 prefix b8 prefill profile gather topk peak candidates" \
+      echo "unknown part '$1'; accepted: suite tests selection crossover refine32k long32k long128k llama2 unfused llama3 prefix b8 prefill profile gather topk labelchunks peak candidates" \
         "long grid gridquest | tests2gpu tp8b one8b tp70b devmap fallback0 table2gpu | setup fidelity gsm8k multi_news" \
         "ablation ruler fidelity8k evalcmd" >&2
       return 2 ;;
