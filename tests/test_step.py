@@ -1,6 +1,8 @@
 """The step planner's dense-or-sparse rule (`hshare.step.StepPlanner.sparse_pays`): a step runs sparse only
 where it saves enough K/V reads per layer, counted by hand here."""
 
+import os
+
 import pytest
 import torch
 
@@ -97,3 +99,39 @@ def test_a_policy_with_a_costlier_selection_needs_more_saved(graphs):
     assert "loki's selection being slower than dense attention" in planner.decision
     assert StepPlanner(loki.replace(dense_fallback_mib=0), num_layers=2).sparse_pays(cache, rows, 10**9, graphs)
     assert loki.sparse_min_saved_bytes(cpu, graphs) == 0
+
+
+@pytest.mark.parametrize("policy", ["ds", "quest"])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_each_step_gives_the_token_of_the_path_it_took(policy, kv_heads):
+    """Whichever path the rule gives a step, its token is that path's when forced: the steps before the crossing
+    give `dense`'s tokens, and the steps from it the tokens of a run forced sparse (``dense_fallback_mib=0``)
+    whose prompt is extended by what the dense steps generated. The policies' metadata does not depend on where
+    the prompt ends (labels of every channel, quantized per token; Quest's pages from the first valid column)
+    and neither shares; float64, so that a key computed in a prefill equals the one a decode step computed."""
+    seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs each run; the message names the seed
+    gen = torch.Generator().manual_seed(seed)
+    model = tiny_llama(kv_heads=kv_heads, layers=2, dtype=torch.float64, seed=seed % 1000)
+    ids, mask = left_padded([int(n) for n in torch.randint(20, 30, (3,), generator=gen)], generator=gen)
+    rows, width, new_tokens = ids.shape[0], ids.shape[1], 12
+    options = dict(label_channels=16) if policy == "ds" else dict(page_size=int(torch.randint(1, 5, (), generator=gen)))
+    config = HShareConfig.from_preset(policy).replace(sink=2, local=4, heavy=6, cuda_graphs=False, **options)
+    token_bytes = kv_heads * 16 * 8 * 2  # K and V of a token in a layer, float64, head_dim 16
+    crossing = int(torch.randint(2, new_tokens - 2, (), generator=gen))  # the first decode step that runs sparse
+    saved_at = lambda step: rows * (width + step - config.budget.total) * token_bytes  # noqa: E731
+    threshold = (saved_at(crossing - 1) + saved_at(crossing)) / 2
+    with hshare.patched(model, config.replace(dense_fallback_mib=threshold / 2**20)):
+        cache = hshare.new_cache(model)
+        ruled = greedy(model, ids, mask, new_tokens=new_tokens, past_key_values=cache)
+    assert cache.stats.dense_fallback_steps == crossing - 1 and cache.stats.sparse_steps == new_tokens - crossing, seed
+    with hshare.patched(model, "dense"):
+        dense = greedy(model, ids, mask, new_tokens=new_tokens)
+    # the prefill's token and those of the dense steps 1 .. crossing - 1
+    assert torch.equal(ruled[:, :width + crossing], dense[:, :width + crossing]), seed
+    # decode step `crossing` reads the token the last dense step made: a prompt ending just before it
+    extended = ruled[:, :width + crossing - 1]
+    extended_mask = torch.cat([mask, torch.ones(rows, crossing - 1, dtype=mask.dtype)], 1)
+    with hshare.patched(model, config.replace(dense_fallback_mib=0)):
+        forced = greedy(model, extended, extended_mask, new_tokens=new_tokens - crossing + 1)
+    assert torch.equal(forced, ruled), seed
+    assert not torch.equal(ruled, dense), seed  # the sparse steps chose: N_c 12 of 30+ columns changes tokens
