@@ -42,6 +42,7 @@ import torch
 
 from hshare.config import ConfigError, HShareConfig, PolicyConfig
 from hshare.kernels import label_topk
+from hshare.kernels.selection_heads import kv_heads_of
 from hshare.policy import SelectionPolicy, register_policy
 
 if TYPE_CHECKING:
@@ -58,9 +59,8 @@ class LokiConfig(PolicyConfig):
 
     rank: int | None = None
     flat_names = {"loki_rank": "rank"}
-    # a sparse step was slower than dense attention at every shape of Loki's crossover (benchmarks/RESULTS.md):
-    # dense on CUDA unless `dense_fallback_mib` says otherwise (evaluation sets it to 0), until that grid is run
-    # with the fused 16-bit selection (`LokiKeyCache.decode_heavy`)
+    # never sparse by default on CUDA (`dense_fallback_mib` overrides it; evaluation sets 0): calibrated by Loki's
+    # crossover grid (`hshare bench grid`, benchmarks/RESULTS.md)
     selection_min_saved_mib = math.inf
 
     def __post_init__(self) -> None:
@@ -209,8 +209,5 @@ class LokiKeyCache(SelectionPolicy):
         if keys.dtype not in (torch.bfloat16, torch.float16):
             return super().decode_heavy(query, selectable, heavy, rows, heads)
         projected = self.project_queries(query[:, :, None], rows, heads)[:, :, 0]  # [B', H', r]
-        kv = None
-        if heads is not None or self.sel_heads != self.kv_heads:  # the KV head each selection head reads
-            picked = torch.arange(self.sel_heads, device=keys.device)[None] if heads is None else heads
-            kv = picked * self.kv_heads // self.sel_heads
+        kv = kv_heads_of(self.sel_heads, self.kv_heads, heads, keys.device)
         return label_topk(projected, keys, None, None, 16, heavy, selectable=selectable, rows=rows, heads=kv)

@@ -1,8 +1,8 @@
 """The attention's query, key and value projections as one weight product inside a recorded decode step.
 
 At decode a weight product reads its whole weight for a few rows: it is bound by memory, and a small
-one, such as a GQA model's key and value projections, by the ramp of its launch (measured in
-`benchmarks/RESULTS.md`, the weight products of a decode step). One product over the three weights
+one, such as a GQA model's key and value projections, by the ramp of its launch (`benchmarks/decode_linear.py`
+times them). One product over the three weights
 stacked reads the same bytes in one launch, as gpt-fast's ``wqkv`` and vLLM's ``QKVParallelLinear`` do.
 
 * **Storage.** For the duration of one ``generate`` (`QKVFusion.stack` at its first static decode step,

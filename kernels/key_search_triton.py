@@ -25,6 +25,13 @@ NO_TOKEN = tl.constexpr(-1)
 
 
 @triton.jit
+def _score_key(score):
+    """Order-preserving int32 key of an fp32 score (-0.0 as +0.0; negative floats flip their magnitude bits)."""
+    bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
 def _key_value(key):
     """fp32 score of an order-preserving int32 key."""
     return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)

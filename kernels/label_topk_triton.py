@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from .key_search_triton import (SENTINEL, _exact_threshold, _fill_empty, _first_value, _key_value, _pivot, _probit,
-                                _top_columns, _write_columns)
+                                _score_key, _top_columns, _write_columns)
 from .gather_attention_triton import num_sms
 from .labels_triton import kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
@@ -126,10 +126,7 @@ def _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr,
         zero = tl.load(zero_ptr + row * s_zb + head * s_zh + cols, mask=inside, other=0.0).to(tl.float32)
         score = scale * acc + zero * q_sum
     ok = inside & (tl.abs(score) < float("inf"))  # NaN fails the comparison too
-    bits = score.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # order-preserving; -0.0 as +0.0
-    key = tl.where(bits == -2147483648, 0, key)
-    return tl.where(ok, key, -2147483648)
+    return tl.where(ok, _score_key(score), -2147483648)
 
 
 @triton.jit

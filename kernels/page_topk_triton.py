@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .critical_indices import NO_TOKEN
-from .key_search_triton import _exact_threshold, _fill_empty, _first_value, _sum_min_max
+from .key_search_triton import _exact_threshold, _fill_empty, _first_value, _score_key, _sum_min_max
 
 BLOCK_COLUMNS = 16384  # window columns counted at once
 BLOCK_TAKEN = 64  # taken pages written at once
@@ -64,10 +64,9 @@ def _page_heavy(
     # 2. the score key where the budget ends (weighed by the pages' selectable columns)
     page = tl.arange(0, P_PAD)
     count = tl.load(counts + page)
-    score = tl.load(scores_ptr + pid * pages + page, mask=page < pages, other=0.0) + 0.0  # -0.0 -> +0.0
-    bits = score.to(tl.int32, bitcast=True)
+    score = tl.load(scores_ptr + pid * pages + page, mask=page < pages, other=0.0)
     ok = (page < pages) & (count > 0)
-    key = tl.where(ok, bits ^ ((bits >> 31) & 0x7FFFFFFF), -2147483647 - 1)  # int32 order = float order
+    key = tl.where(ok, _score_key(score), -2147483647 - 1)
     weight = tl.where(ok, count, 0)
     taken_pages, smallest, largest = tl.reduce((ok.to(tl.int32), tl.where(ok, key, 2147483647), key), 0, _sum_min_max)
     total = tl.sum(weight, 0)

@@ -24,18 +24,30 @@ def pick_heads(tensor: torch.Tensor, rows: torch.Tensor | None = None, heads: to
     return tensor[torch.arange(count, device=tensor.device)[:, None], heads.expand(count, -1)]
 
 
+def kv_heads_of(sel_heads: int, kv_heads: int, heads: torch.Tensor | None, device: torch.device
+                ) -> torch.Tensor | None:
+    """The KV head each of the selection heads ``[B' or 1, H']`` reads (None = all H_sel: ``[1, H_sel]``), or None
+    where those are every KV head in order (all heads, H_sel = Hkv)."""
+    if heads is None:
+        if sel_heads == kv_heads:
+            return None
+        heads = torch.arange(sel_heads, device=device)[None]
+    return heads * kv_heads // sel_heads
+
+
 def kv_heads_read(tensor: torch.Tensor, sel_heads: int, rows: torch.Tensor | None = None,
                   heads: torch.Tensor | None = None) -> torch.Tensor:
     """A per-KV-head tensor ``[B, Hkv, ...]`` as `sel_heads` selection heads read it, at rows ``[B']`` and heads
     ``[B' or 1, H']``: ``[B', H', ...]``."""
     if rows is not None:
         tensor = tensor.index_select(0, rows)
-    kv_heads = tensor.shape[1]
-    kv_of_sel = torch.arange(sel_heads, device=tensor.device) * kv_heads // sel_heads
+    kv = kv_heads_of(sel_heads, tensor.shape[1], heads, tensor.device)
+    if kv is None:
+        return tensor
     if heads is None:
-        return tensor if sel_heads == kv_heads else tensor.index_select(1, kv_of_sel)
+        return tensor.index_select(1, kv[0])
     count = tensor.shape[0]
-    return tensor[torch.arange(count, device=tensor.device)[:, None], kv_of_sel[heads.expand(count, -1)]]
+    return tensor[torch.arange(count, device=tensor.device)[:, None], kv.expand(count, -1)]
 
 
 def refine_into(out: torch.Tensor, candidates: torch.Tensor, heads: torch.Tensor,

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .key_search_triton import _exact_threshold, _moments, _probit
+from .key_search_triton import _exact_threshold, _moments, _probit, _score_key
 
 COLUMN_BITS = 24  # columns < 2**24 in the packed sort key
 
@@ -102,8 +102,7 @@ def _with_successors(
     i = tl.arange(0, K_P)
     columns = tl.load(columns_ptr + row * s_cb + head * s_ch + i, mask=i < K, other=-1).to(tl.int64)
     score = tl.load(scores_ptr + row * s_sb + head * s_sh + i, mask=i < K, other=0.0).to(tl.float32)
-    bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving int32 of the float
+    key = _score_key(score)
     _walk(out_ptr + row * s_ob + head * s_oh, best_ptr + pid.to(tl.int64) * top, columns, key, columns >= 0,
           window_ptr + row * s_wb, n, K, top, K_P, False)
 

@@ -49,6 +49,7 @@ def install_recorder(records: dict, module_prefix: str) -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     launch = InterpretedFunction.run
+    constexprs_of: dict = {}  # kernel -> its constexpr parameters
 
     def run(self, *args, grid, warmup, **kwargs):
         fn = self.fn
@@ -62,7 +63,9 @@ def install_recorder(records: dict, module_prefix: str) -> None:
             tensor = kind is not None and kind.startswith("*")
             spec["arguments"][name] = {"type": kind} if tensor else {"type": kind, "value": value}
         # distinct by constexpr values, tensor dtypes and launch options (not by the values of plain scalars)
-        constexprs = {name for name, kind in inspect.get_annotations(fn).items() if "constexpr" in str(kind)}
+        if fn not in constexprs_of:
+            constexprs_of[fn] = {name for name, kind in inspect.get_annotations(fn).items() if "constexpr" in str(kind)}
+        constexprs = constexprs_of[fn]
         key = json.dumps({name: arg if name in constexprs or "value" not in arg else arg["type"]
                           for name, arg in spec["arguments"].items()} | {"options": spec["options"]},
                          sort_keys=True, default=repr)
