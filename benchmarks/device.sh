@@ -182,7 +182,7 @@ PY
       timeout 240 python3 benchmarks/tune_kernels.py topk 2>&1 | tee "$OUT/tune_topk.log" ;;
     labelchunks)
       for chunk in 4096 8192 16384; do
-        timeout 100 python3 benchmarks/label_topk_timing.py --shapes 4x8x32768,1x8x131072 --heavy 944 --chunk $chunk \
+        timeout 100 python3 benchmarks/label_topk_timing.py --shapes 4x8x32768,1x8x131072 --heavy 944 --chunk $chunk --kernels \
           --json "$OUT/label_topk_chunk$chunk.json" 2>&1 | grep -v Warning | tee -a "$OUT/label_chunks.log"
       done
       timeout 100 python3 benchmarks/label_topk_timing.py --shapes 4x8x32768,1x8x131072 --heavy 944 --bits 16 \

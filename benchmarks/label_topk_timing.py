@@ -12,9 +12,10 @@ The fused columns are checked against today's scores (the top-k contract, tie-ro
     python3 benchmarks/label_topk_timing.py                       # the default shapes and budgets
     python3 benchmarks/label_topk_timing.py --shapes 4x8x32768 --heavy 944 --chunk 8192 --warps 16
     python3 benchmarks/label_topk_timing.py --trend 2.0           # scores growing with the position
+    python3 benchmarks/label_topk_timing.py --kernels             # also the fused path's time per kernel
 
 Labels are random codes of ``--channels`` heavy channels at ``--bits`` with bf16 scale / zero (the
-cache's layout for bf16 keys); queries bf16, head dim 128, one query head per selection head; the
+cache's layout for bf16 keys; 16 bits: bf16 codes stored channel-major, as Loki's projected keys are); queries bf16, head dim 128, one query head per selection head; the
 selectable window of every row is ``[16, n - 64)`` (sink 16, local 64).
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 
 import torch
 
@@ -37,8 +39,8 @@ SINK, LOCAL, HEAD_DIM = 16, 64, 128
 
 def make_step(rows: int, heads: int, n: int, bits: int, channels: int, trend: float, device: torch.device):
     """A label cache ``[rows, heads, n, .]``, the decode query, heavy channels and the selectable window."""
-    if bits == 16:
-        codes = torch.randn(rows, heads, n, channels, device=device).to(torch.bfloat16)
+    if bits == 16:  # channel-major, as Loki stores its projected keys
+        codes = torch.randn(rows, heads, channels, n, device=device).to(torch.bfloat16).transpose(-1, -2)
         scale = zero = None
     else:
         codes = torch.randint(0, 256, (rows, heads, n, channels * bits // 8), dtype=torch.uint8, device=device)
@@ -59,6 +61,21 @@ def label_bytes(rows: int, heads: int, n: int, bits: int, channels: int) -> int:
     """Bytes of the labels a selection scores: codes, and bf16 scale and zero below 16 bits."""
     per_column = channels * bits // 8 + (0 if bits == 16 else 4)
     return rows * heads * n * per_column
+
+
+def kernel_times_us(fn, repeats: int = 20) -> Counter:
+    """GPU microseconds per kernel name of one call of `fn` (mean of `repeats` eager calls under the
+    profiler; L2 is not flushed between them, so the second launch's label reads may hit it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    return Counter({event.key: event.device_time_total / repeats for event in prof.key_averages()
+                    if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0})
 
 
 def valid_top_k(columns: torch.Tensor, scores: torch.Tensor, selectable: torch.Tensor, heavy: int) -> bool:
@@ -90,6 +107,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None, help="fused: columns per program (a power of two)")
     parser.add_argument("--tile", type=int, default=None, help="fused: candidates per tile of the last program")
     parser.add_argument("--warps", type=int, default=None, help="fused: warps per program")
+    parser.add_argument("--kernels", action="store_true", help="fused: also print its GPU time per kernel")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only checks the script (no timings)")
     args = parser.parse_args()
@@ -146,9 +164,15 @@ def main() -> None:
             print(" | ".join((shape, str(heavy), f"{labels / 2**20:.1f}", f"{floor_us:.1f}", us(today_us), us(fused_us),
                               us(bounds_us), speedup, share(floor_mask_us, today_us), share(floor_mask_us, fused_us),
                               share(floor_us, bounds_us), "yes" if valid else "NO")), flush=True)
+            kernels = {}
+            if args.kernels and device.type == "cuda":
+                with torch.no_grad():
+                    kernels = kernel_times_us(fused)
+                print("  fused kernels (us, profiler, L2 warm): "
+                      + ", ".join(f"{name} {value:.1f}" for name, value in kernels.most_common()), flush=True)
             results.append(dict(shape=shape, heavy=heavy, label_bytes=labels, mask_bytes=mask_bytes,
                                 bandwidth_gb_s=bandwidth / 1e9, floor_us=floor_us, today_us=today_us,
-                                fused_us=fused_us, fused_bounds_us=bounds_us, valid=valid))
+                                fused_us=fused_us, fused_bounds_us=bounds_us, valid=valid, kernels=dict(kernels)))
         del codes, scale, zero, query, chans, window, selectable
         if device.type == "cuda":
             torch.cuda.empty_cache()

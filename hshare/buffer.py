@@ -25,13 +25,17 @@ class GrowingBuffer:
 
     Args:
         reserve: tokens to allocate at the first allocation (no headroom, no growth below it).
+        tokens_last: store the tokens as the last dimension in memory (``[B, H, ..., n]``, seen as the
+            ``[B, H, n, ...]`` view): each trailing entry's tokens are adjacent, so a kernel reading one
+            entry of many tokens reads them coalesced. Every view, write and row selection keeps the layout.
     """
 
-    def __init__(self, reserve: int = 0) -> None:
+    def __init__(self, reserve: int = 0, tokens_last: bool = False) -> None:
         self.storage: torch.Tensor | None = None
         self.length = 0
         self.reserve = reserve
         self.frozen = False
+        self.tokens_last = tokens_last
 
     @property
     def capacity(self) -> int:
@@ -64,15 +68,23 @@ class GrowingBuffer:
             if self.storage is None and needed <= self.reserve:
                 # zeroed: a frozen view exposes the columns not yet written, and attention masks them by
                 # weight 0, which turns stale NaN / inf bits into NaN (0 * inf)
-                grown = torch.zeros((*batch_heads, self.reserve, *tail), dtype=dtype, device=device)
+                grown = self._allocate(batch_heads, self.reserve, tail, dtype, device, torch.zeros)
             else:
                 capacity = -(-int(needed * (1 + _HEADROOM)) // _GRANULE) * _GRANULE
-                grown = torch.empty((*batch_heads, capacity, *tail), dtype=dtype, device=device)
+                grown = self._allocate(batch_heads, capacity, tail, dtype, device, torch.empty)
             if self.length:
                 grown[:, :, : self.length] = self.storage[:, :, : self.length]
             self.storage = grown
         start, self.length = self.length, needed
         return self.storage[:, :, start:needed]
+
+    def _allocate(self, batch_heads: tuple[int, int], capacity: int, tail: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device, make) -> torch.Tensor:
+        """A ``[B, H, capacity, *tail]`` tensor from `make` (torch.zeros / torch.empty), tokens last in memory
+        when `tokens_last`."""
+        if not self.tokens_last:
+            return make((*batch_heads, capacity, *tail), dtype=dtype, device=device)
+        return make((*batch_heads, *tail, capacity), dtype=dtype, device=device).movedim(-1, 2)
 
     # ---- static shapes ----------------------------------------------------------------
     def freeze(self) -> None:
@@ -91,7 +103,11 @@ class GrowingBuffer:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep (or repeat / reorder) batch rows: beam search, ``batch_select_indices``."""
         if self.storage is not None:
-            self.storage = self.storage.index_select(0, rows.to(self.storage.device))
+            rows = rows.to(self.storage.device)
+            if self.tokens_last:  # index_select returns a contiguous tensor: select in the stored order
+                self.storage = self.storage.movedim(2, -1).index_select(0, rows).movedim(-1, 2)
+            else:
+                self.storage = self.storage.index_select(0, rows)
 
     def crop(self, length: int) -> None:
         self.length = max(0, min(self.length, length))

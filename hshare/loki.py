@@ -22,7 +22,8 @@ Selection heads. With ``selection="kv_head"`` selection head s (KV head s) score
 logits; with ``"query_head"`` each query head scores with its KV head's ``P``.
 
 Storage: the projected keys, a column buffer ``[B, Hkv, n, r]`` in the keys' dtype (r / d of the
-keys' bytes; `nbytes`), and ``P`` per row, ``[B, Hkv, d, r]`` in float32 (float64 for float64 keys;
+keys' bytes; `nbytes`) stored channel-major (tokens last in memory, so that a selection reads each channel of
+every token coalesced), and ``P`` per row, ``[B, Hkv, d, r]`` in float32 (float64 for float64 keys;
 not in `nbytes`, as the label policy's channels are not). Static shapes (`hshare.static_decode`):
 `write` projects the key at a column held in a device tensor into the frozen buffer (no host value).
 
@@ -127,12 +128,13 @@ class LokiKeyCache(SelectionPolicy):
             ``s * Hkv // H_sel``.
 
     Attributes:
-        projected: column buffer ``[B, Hkv, n, r]``, the keys times ``P``, in the keys' dtype.
+        projected: column buffer ``[B, Hkv, n, r]``, the keys times ``P``, in the keys' dtype, channel-major.
     """
 
     unit = "tokens"  # one scoring scores every cached token (DecodeStats.scored_tokens)
     config_class = LokiConfig
     column_buffers = ("projected",)
+    tokens_last_buffers = ("projected",)  # the fused selection reads each channel of every column: coalesced
     row_tensors = ("components",)
     projected: GrowingBuffer
 

@@ -55,6 +55,8 @@ class SelectionPolicy(ABC):
         column_buffers: names of its `GrowingBuffer` attributes of ``[B, H, n, ...]`` metadata, one
             slot per cached column. The base class makes them (reserved at the reserve), and
             `buffers` hands them to the cache, which advances their lengths at static steps.
+        tokens_last_buffers: those of its column buffers stored tokens last in memory
+            (`GrowingBuffer` ``tokens_last``: a kernel reading one channel of many columns reads coalesced).
         slot_buffers: names of its `GrowingBuffer` attributes whose slots each cover several
             columns (Quest's pages); `slots` maps a column count to their slot count.
         row_tensors: names of ``[B, ...]`` tensor attributes, one entry per row (None until set),
@@ -76,6 +78,7 @@ class SelectionPolicy(ABC):
     unit: ClassVar[str] = "tokens"
     config_class: ClassVar[type[PolicyConfig]] = PolicyConfig
     column_buffers: ClassVar[tuple[str, ...]] = ()
+    tokens_last_buffers: ClassVar[tuple[str, ...]] = ()
     slot_buffers: ClassVar[tuple[str, ...]] = ()
     row_tensors: ClassVar[tuple[str, ...]] = ()
     row_or_shared_tensors: ClassVar[tuple[str, ...]] = ()
@@ -98,7 +101,7 @@ class SelectionPolicy(ABC):
         self.frozen_width: int | None = None
         self._length = 0
         for name in self.column_buffers:
-            setattr(self, name, GrowingBuffer(reserve))
+            setattr(self, name, GrowingBuffer(reserve, tokens_last=name in self.tokens_last_buffers))
         for name in self.slot_buffers:
             setattr(self, name, GrowingBuffer(self.slots(reserve)))
 

@@ -10,7 +10,8 @@ Contract (`label_topk`, `decode_label_topk` and their twins):
 
 * inputs: the query labels ``[A, H', r]`` (`label_topk`), or the decode query ``[B, Hq, d]`` and the
   heavy channels ``[P, H_sel, r]`` whose labels are gathered as `labels.query_labels` does
-  (`decode_label_topk`); the whole label cache ``codes [B, H_sel, n, r * bits / 8 (or r)]``,
+  (`decode_label_topk`); the whole label cache ``codes [B, H_sel, n, r * bits / 8 (or r)]`` (contiguous per
+  column; 16-bit codes may instead be channel-major, ``stride(-2) == 1``, which the kernels read coalesced),
   ``scale / zero [B, H_sel, n]`` (None at 16 bits) and `bits`; `rows` ``[A]`` batch rows (None = all,
   A = B) and `heads` ``[A or 1, H']`` selection heads per row (None = all, H' = H_sel);
 * the selectable window of output row a: the columns ``window[a, 0] <= column < window[a, 1]``
@@ -263,9 +264,11 @@ def select_heavy_columns_torch(scores: torch.Tensor, selectable: torch.Tensor, h
 
 def _runs_triton(tensor: torch.Tensor, codes: torch.Tensor, bits: int, heavy: int, channels: int) -> bool:
     """Whether the Triton kernels take this call: their dtypes (no fp64), 4/8/16-bit labels with an even
-    channel count at 4 bits, codes contiguous per token, a nonempty cache and heavy budget."""
+    channel count at 4 bits, codes contiguous per token (16-bit: or per channel), a nonempty cache and heavy
+    budget."""
+    laid_out = codes.stride(-1) == 1 or (bits == 16 and codes.stride(-2) == 1)
     return (use_triton(tensor) and tensor.dtype != torch.float64 and bits in (4, 8, 16) and heavy > 0
-            and codes.shape[2] > 0 and codes.stride(-1) == 1 and (bits != 4 or channels % 2 == 0))
+            and codes.shape[2] > 0 and laid_out and (bits != 4 or channels % 2 == 0))
 
 
 def _in_window(candidates: torch.Tensor, selectable: torch.Tensor | None) -> torch.Tensor:

@@ -73,12 +73,14 @@ SKETCH = 16  # int32 fields per (row-head, chunk) sketch: LEVELS keys, LEVELS co
 @triton.jit
 def _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
                 pid, i, row, head, cols, start, end,
-                s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_mb,
+                s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_mb,
                 R: tl.constexpr, BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr,
                 PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr, HAS_MASK: tl.constexpr):
     """Keys ``[CHUNK]`` int32 of columns `cols` of (row, head): INT32_MIN where a column is outside
     ``[start, end)``, unselectable or scored non-finite. Codes are read in LOAD_BYTES words (the
-    codes pointer is a byte pointer; `s_cn` in bytes); the dot is accumulated channel by channel. The
+    codes pointer is a byte pointer; `s_cb`, `s_ch` in bytes, the column stride `s_cn` and the word stride
+    `s_cw` in words: a column's words are contiguous, or, channel-major, each word's columns are); the dot
+    is accumulated channel by channel. The
     query labels: ``[A * H', r]`` fp32 at `ql_ptr`, or (FROM_QUERY) gathered from the decode query
     ``[B, Hq, d]`` at the heavy channels ``[P, H_sel, r]``."""
     inside = (cols >= start) & (cols < end)
@@ -98,7 +100,7 @@ def _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr,
     acc = tl.zeros(cols.shape, tl.float32)
     q_sum = tl.zeros((), tl.float32)
     for w in tl.static_range(R // PER_WORD):
-        word = tl.load(words + cols * (s_cn // LOAD_BYTES) + w, mask=inside, other=0).to(tl.int32)
+        word = tl.load(words + cols * s_cn + w * s_cw, mask=inside, other=0).to(tl.int32)
         for j in tl.static_range(PER_WORD):
             # the channel's query label: read, or the sum (in order) over the GROUP query heads of the
             # decode query's heavy channel
@@ -165,7 +167,7 @@ def _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS: tl.constexpr, ROWS_INDEXED:
 
 @triton.jit
 def _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr,
-                  mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb,
+                  mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb,
                   s_mb, HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr,
                   BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr,
                   FROM_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK_: tl.constexpr):
@@ -176,7 +178,7 @@ def _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_pt
     cols = chunk * CHUNK_ + tl.arange(0, CHUNK_)
     key = _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
                       pid, i, row, head, cols, start, end,
-                      s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_mb,
+                      s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_mb,
                       R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_MASK)
     return cols, key
 
@@ -185,7 +187,7 @@ def _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_pt
 def _label_topk_sketch(
     ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr, mask_ptr,
     sketch_ptr, done_ptr, out_ptr, n, heavy, r0, r1, r2, r3,
-    s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb,
+    s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb,
     HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
     LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -195,7 +197,7 @@ def _label_topk_sketch(
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     cols, key = _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr,
-                              window_ptr, mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb,
+                              window_ptr, mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb,
                               s_sh, s_zb, s_zh, s_hb, s_mb, HEADS, ROWS_INDEXED, HEADS_INDEXED, R, BITS, LOAD_BYTES,
                               GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_WINDOW, HAS_MASK, CHUNK_)
     if SINGLE:
@@ -253,7 +255,7 @@ def _label_topk_sketch(
 def _label_candidates(
     query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, out_ptr,
     best_ptr, n, heavy, candidates, top,
-    s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh, s_oa, s_oh,
+    s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh, s_oa, s_oh,
     HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
     LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, HAS_MASK: tl.constexpr,
     C_PAD: tl.constexpr, TILE: tl.constexpr, WALK: tl.constexpr, ASCENDING: tl.constexpr, BY_HEAD: tl.constexpr,
@@ -271,7 +273,7 @@ def _label_candidates(
     cols = tl.load(cand_ptr + i * s_ka + entry * s_kh + slots, mask=slots < candidates, other=-1).to(tl.int32)
     key = _chunk_keys(query_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
                       pid, i, row, head, cols, tl.zeros((), tl.int32), tl.zeros((), tl.int32) + n,
-                      s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_mb,
+                      s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_mb,
                       R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
     out_row = out_ptr + i * s_oa + entry * s_oh
     if WALK:
@@ -285,7 +287,7 @@ def _label_candidates(
 def _label_topk_select(
     ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr, mask_ptr,
     sketch_ptr, done_ptr, cand_ptr, out_ptr, n, heavy, chunk_cap, cand_stride,
-    s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb,
+    s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb,
     HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
     LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -327,7 +329,7 @@ def _label_topk_select(
 
     if my_upper > 0:  # this chunk has keys >= L: score it again, write them in column order
         cols, key = _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr,
-                                  window_ptr, mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn,
+                                  window_ptr, mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw,
                                   s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, HEADS, ROWS_INDEXED, HEADS_INDEXED, R, BITS,
                                   LOAD_BYTES, GROUP,
                                   PER_ROW_CHANNELS, FROM_QUERY, HAS_WINDOW, HAS_MASK, CHUNK_)
@@ -410,15 +412,26 @@ def _select_candidates(out_row, packed, buf_ptr, span, bound, need, FROM_BUFFER:
     return taken
 
 
-def _load_bytes(codes: torch.Tensor, bits: int, channels: int) -> int:
-    """Widest word (4, 2 or 1 bytes) that every label row's codes start on and divide into."""
+def _code_words(codes: torch.Tensor, bits: int, channels: int) -> tuple[int, int, int]:
+    """How the kernels read the codes ``[B, H, n, .]``: the word width in bytes (4, 2 or 1) and the column and
+    word strides in words. Codes contiguous in the channel dimension: the widest word that every column's codes
+    start on and divide into, its words adjacent. 16-bit labels channel-major (columns contiguous per channel,
+    ``stride(-2) == 1``): one channel a 2-byte word, each word's columns adjacent (coalesced reads)."""
+    itemsize = codes.element_size()
+    if bits == 16 and codes.stride(-1) != 1 and codes.stride(-2) == 1:
+        if codes.data_ptr() % 2 or any(s * itemsize % 2 for s in codes.stride()):
+            raise ValueError("16-bit label codes are not 2-byte aligned")
+        return 2, 1, codes.stride(-1)
+    if codes.stride(-1) != 1:
+        raise ValueError("label codes must be contiguous in the channel dimension (or, 16-bit, in the column "
+                         "dimension)")
     row_bytes = channels * bits // 8
     for width in (4, 2, 1):
         if width * 8 < bits:
             continue
         if (row_bytes % width == 0 and codes.data_ptr() % width == 0
-                and all(s * codes.element_size() % width == 0 for s in codes.stride()[:-1])):
-            return width
+                and all(s * itemsize % width == 0 for s in codes.stride()[:-1])):
+            return width, codes.stride(-2) * itemsize // width, 1
     raise ValueError("16-bit label codes are not 2-byte aligned")
 
 
@@ -435,11 +448,11 @@ def _operands(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, 
     """What the kernels read for `count` rows, laid out for them: ``(code bytes, scale, zero, rows, heads [A, H'], mask,
     load bytes, strides, index flags)``; the placeholders of absent operands (rows or heads None: every row or
     head in order) are tensors the kernels never read."""
-    if codes.stride(-1) != 1:
-        raise ValueError("label codes must be contiguous in the channel dimension")
     if bits == 4 and r % 2:
         raise ValueError(f"label_channels {r} is odd; 4-bit labels hold two channels a byte")
-    code_bytes = codes.view(torch.uint8)  # byte view: strides in bytes
+    load_bytes, column_words, word_words = _code_words(codes, bits, r)
+    # a byte view (the kernels' pointer; their strides are computed from `codes`)
+    code_bytes = (codes if codes.stride(-1) == 1 else codes.transpose(-1, -2)).view(torch.uint8)
     flags = dict(ROWS_INDEXED=rows is not None, HEADS_INDEXED=heads is not None)
     if heads is not None:
         heads = heads.expand(count, heads.shape[-1])
@@ -454,10 +467,10 @@ def _operands(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, 
     scale = scale if scale is not None else codes  # 16-bit labels: the codes' dtype tells bf16 from fp16
     zero = zero if zero is not None else codes
     strides = (query.stride(0), query.stride(1), channels.stride(0), channels.stride(1),
-               code_bytes.stride(0), code_bytes.stride(1), code_bytes.stride(2),
+               codes.stride(0) * codes.element_size(), codes.stride(1) * codes.element_size(), column_words, word_words,
                scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1),
                heads.stride(0) if flags["HEADS_INDEXED"] else 0, mask.stride(0) if selectable is not None else 0)
-    return code_bytes, scale, zero, rows, heads, mask, _load_bytes(codes, bits, r), strides, flags
+    return code_bytes, scale, zero, rows, heads, mask, load_bytes, strides, flags
 
 
 def candidate_label_topk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,

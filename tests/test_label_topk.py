@@ -170,6 +170,11 @@ def test_triton_matches_twin(bits, dtype, chunk):
     check_selection(got, scores, window_columns(window, selectable, 2, n, DEVICE), heavy, tol=1e-4)
     if DEVICE == "cpu":  # the interpreter's scores: deterministic, the same set as the twin's here
         assert torch.equal(got, want)
+    if bits == 16:  # the same codes stored channel-major (Loki's projected keys): read per channel, same columns
+        channel_major = codes.transpose(-1, -2).contiguous().transpose(-1, -2)
+        assert channel_major.stride(-2) == 1 and torch.equal(channel_major, codes)
+        assert torch.equal(run_triton(None, channel_major, scale, zero, bits, heavy, rows, heads, window, selectable,
+                                      query=query, channels=channels, chunk=chunk, tile=32), got)
 
 
 def test_triton_short_windows_ties_and_non_finite():

@@ -147,7 +147,7 @@ def test_16_bit_decode_selection_is_the_fused_label_top_k(monkeypatch, dtype, se
     subsets; the Triton kernel (interpreted on CPU) equals the twin column for column."""
     keys, valid = padded_keys([37, 20, 29], decoded=4, kv_heads=kv_heads, dim=16, seed=5)
     cache = loki_cache(keys.to(dtype), valid, 37, 4, selection, rank=int(torch.randint(2, 7, ())) * 2)
-    assert cache.projected.view().dtype == dtype
+    assert cache.projected.view().dtype == dtype and cache.projected.view().stride(-2) == 1  # channel-major
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1000, ())))
     query = torch.randn(3, 4, 16, generator=gen).to(dtype)
     selectable = valid & (torch.rand(valid.shape, generator=gen) < 0.8)

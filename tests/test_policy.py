@@ -189,6 +189,35 @@ def test_select_rows_reorders_repeats_and_drops_rows(name, selection):
     assert getattr(policy, per_row).shape[0] == 4
 
 
+@pytest.mark.parametrize("reserve", [0, 6])
+def test_a_tokens_last_buffer_keeps_its_layout_through_growth_writes_and_row_selection(reserve):
+    """`GrowingBuffer(tokens_last=True)` (Loki's projected keys): whatever happens to it (the reserve, growth
+    past it, a static write, select_rows), its view holds what a default buffer given the same calls holds,
+    and each entry's tokens stay adjacent in memory (stride 1 along the tokens)."""
+    from hshare.buffer import GrowingBuffer
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    tokens_last, default = GrowingBuffer(reserve, tokens_last=True), GrowingBuffer(reserve)
+
+    def same():
+        assert tokens_last.view().stride(2) == 1 and tokens_last.length == default.length
+        held = default.length  # a frozen view is the whole storage: compare the tokens held
+        assert torch.equal(tokens_last.view()[:, :, :held], default.view()[:, :, :held])
+
+    for step in (5, 1, 300):  # within the reserve, then growth (the stored tokens copied)
+        new = torch.randn(3, 2, step, 4, generator=gen)
+        tokens_last.append(new), default.append(new)
+        same()
+    rows = torch.tensor([2, 0, 0])
+    tokens_last.select_rows(rows), default.select_rows(rows)
+    same()
+    tokens_last.freeze(), default.freeze()
+    column, new = torch.tensor([3]), torch.randn(3, 2, 1, 4, generator=gen)
+    tokens_last.write(column, new), default.write(column, new)
+    same()
+    assert tokens_last.nbytes() == default.nbytes()
+
+
 def test_calibrated_label_channels_are_shared_by_all_rows():
     channels = torch.tensor([[[0, 2, 4, 6], [1, 3, 5, 7]]])  # [1, H_sel, r]: every row
     labels = LabelCache(channels, BITS, KV_HEADS)
