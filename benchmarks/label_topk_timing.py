@@ -131,9 +131,10 @@ def main() -> None:
         mask_bytes = rows * n
         all_rows = torch.arange(rows, device=device)
         all_heads = torch.arange(heads, device=device)[None]
+        today_codes = codes.contiguous()  # the scores' kernel reads codes contiguous per column
         for heavy in map(int, args.heavy.split(",")):
             def today():
-                scores = decode_label_scores(query, chans, codes, scale, zero, args.bits)
+                scores = decode_label_scores(query, chans, today_codes, scale, zero, args.bits)
                 return select_heavy(scores, selectable[:, None], heavy)
 
             def fused(bounds_only=False):
@@ -144,7 +145,7 @@ def main() -> None:
                 return decode_label_topk(query, chans, codes, scale, zero, args.bits, heavy, window, mask)
 
             with torch.no_grad():
-                scores = decode_label_scores(query, chans, codes, scale, zero, args.bits)
+                scores = decode_label_scores(query, chans, today_codes, scale, zero, args.bits)
                 valid = (valid_top_k(fused(), scores, selectable, heavy)
                          and valid_top_k(fused(True), scores, selectable, heavy))
                 del scores

@@ -35,7 +35,6 @@ Rank: ``config.policy.rank`` (`LokiConfig`); None = ``head_dim // 4`` (a quarter
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,9 +59,9 @@ class LokiConfig(PolicyConfig):
 
     rank: int | None = None
     flat_names = {"loki_rank": "rank"}
-    # never sparse by default on CUDA (`dense_fallback_mib` overrides it; evaluation sets 0): calibrated by Loki's
-    # crossover grid (`hshare bench grid`, benchmarks/RESULTS.md)
-    selection_min_saved_mib = math.inf
+    # a selection scores every projected key (r 16-bit channels a token) at every layer, head and step: calibrated by
+    # Loki's crossover grid (`hshare bench grid`, benchmarks/RESULTS.md)
+    selection_min_saved_mib = 288.0
 
     def __post_init__(self) -> None:
         if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)

@@ -34,7 +34,6 @@ compiled form (`LayerShare`), the planner's evidence until the plan is built, an
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -303,8 +302,7 @@ class StepPlanner:
         pays = saved >= needed
         extra, policy = config.policy.selection_min_saved_mib, ""
         if extra and config.runtime.dense_fallback_mib is None and needed:
-            policy = (f", {config.policy.name}'s selection being slower than dense attention at every size measured"
-                      if math.isinf(extra) else f", of which {extra:g} for {config.policy.name}'s selection")
+            policy = f", of which {extra:g} for {config.policy.name}'s selection"
         self.decision = (f"{'sparse' if pays else 'dense'}: a sparse step saves {saved / 2**20:.1f} MiB of K/V reads "
                          f"per layer ({rows} rows x ({columns} - {config.budget.total}) columns), "
                          f"{'>=' if pays else '<'} {needed / 2**20:g} MiB{policy} "

@@ -16,32 +16,32 @@ The search for an exact r-th key is `key_search_triton._exact_threshold`.
   1. `_label_topk_sketch` scores its chunk and records a *sketch* of it: for ``LEVELS`` target ranks
      (``ceil(heavy / chunks)``, twice and eight times that, and `heavy`) a key t with the exact number
      c of the chunk's keys >= t, ``r <= c <= r + r / 4`` (the search for all levels at once, stopped
-     at that window), plus the chunk's count of keys and its largest and smallest key.
+     at that window), plus the chunk's count of keys and its largest and smallest key. It also writes
+     the chunk's *list*: its keys >= the heavy level's key t (key and column packed in an int64, in
+     column order; of the keys equal to t only the first ``heavy - (keys above t)``), at most
+     ``heavy + heavy / 4`` entries. Every key of the chunk that can be among its row's top heavy is
+     listed: t is at most the row's heavy-th key, since the chunk alone holds `heavy` keys >= t (a chunk
+     of fewer keys lists them all).
   2. `_label_topk_select` first reads the sketches of its row-head (every program of the row-head
      computes the same from them): L, the largest sketch key with at least `heavy` keys of the row
-     proven >= it (a lower bound of the heavy-th key; it is at least every chunk's heavy-rank key, so
-     no chunk holds more than ``heavy + heavy / 4`` keys above it), and per chunk an upper bound of
-     its keys >= L (the count of a sketch key <= L; 0 when its largest key is below L). The exclusive
-     prefix sum of those bounds gives each chunk a slot range of the row-head's candidate buffer: the
-     buffer is in column order. The program then scores its chunk again and writes its keys >= L (key
-     and column packed in an int64; of the keys equal to L only as many as the row can still need)
-     into its range and a sentinel into the rest; the last program of the row-head to finish (an
+     proven >= it (a lower bound of the heavy-th key; it is at least every chunk's heavy-level key, so
+     every key >= L is listed), and per chunk an upper bound of its keys >= L (the count of a sketch
+     key <= L; 0 when its largest key is below L). The exclusive prefix sum of those bounds gives each
+     chunk a slot range of the row-head's candidate buffer: the buffer is in column order. The program
+     copies its chunk's listed keys >= L (of the keys equal to L only as many as the row can still
+     need) into its range and a sentinel into the rest; the last program of the row-head to finish (an
      atomic ticket, the others' writes released before it) searches the exact heavy-th key among the
      candidates (held in registers when they fit one tile, else read again from L2 at every step)
      and writes the columns above it and the first columns equal to it, ascending.
 
-Bytes: the labels are read once per launch (twice in all; the second read comes from L2 when the
-step's labels fit in it) and the mask, if any, once per head (shared in L2); nothing of width n is
-written. The sketches are 64 bytes a chunk; the candidates of a row-head are its keys >= L, a small
-multiple of heavy unless its top keys spread over many chunks unevenly, in a slot range at most about
-twice that (the sketch's resolution below L; always at most ``chunks * (heavy + heavy / 4 + 1)``, the
-buffer's allocated size). Everything is sized on the host from shapes only (no
-device read), so the launches are CUDA-graph capturable; the buffers need no clearing (the first
-launch resets the tickets).
-
-Both launches score with the same jit function, elementwise in a fixed channel order (no reduction
-whose order a layout could change), so a column's key has the same bits in both: the counts of the
-sketch hold for the second pass.
+Bytes: the labels are read once, the mask, if any, once per head (shared in L2); nothing of width n is
+written. A chunk's code loads do not wait for its mask (the mask applies to the keys). The sketches are 64
+bytes a chunk, the lists at most ``8 * (heavy + heavy / 4 + 1)`` bytes a chunk; the candidates of a
+row-head are its keys >= L, a small multiple of heavy unless its top keys spread over many chunks
+unevenly, in a slot range at most about twice that (the sketch's resolution below L; always at most
+``chunks * (heavy + heavy / 4 + 1)``, the buffer's allocated size). Everything is sized on the host from
+shapes only (no device read), so the launches are CUDA-graph capturable; the buffers need no clearing
+(the first launch resets the tickets and writes each list's length).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from .labels_triton import kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
 
 CHUNK = 4096  # columns per program (and the longest row done in one launch)
-MAX_CHUNKS = 32  # longer rows take longer chunks (the bound L compares every pair of sketch keys)
+MAX_CHUNKS = 64  # longer rows take longer chunks (the bound L compares every sketch key with every chunk's)
 TAIL_TILE = 4096  # candidates per tile of the last program's search and writes
 MAX_CANDIDATES = 16384  # candidate columns per (row, head) that `candidate_label_topk_triton` holds in registers
 MAX_WALK_CANDIDATES = 8192  # the same for `candidate_label_walk_triton` (a register sort; wider ones: the twin)
@@ -67,7 +67,7 @@ MAX_WALK_CANDIDATES = 8192  # the same for `candidate_label_walk_triton` (a regi
 TOPK_PROGRAMS_PER_SM = 3
 TOPK_REGISTER_CAP = 128
 LEVELS = 4  # target ranks per chunk sketch
-SKETCH = 16  # int32 fields per (row-head, chunk) sketch: LEVELS keys, LEVELS counts, count, max, min
+SKETCH = 16  # int32 fields per (row-head, chunk) sketch: LEVELS keys, LEVELS counts, count, max, min, list length
 
 
 @triton.jit
@@ -84,8 +84,11 @@ def _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr,
     query labels: ``[A * H', r]`` fp32 at `ql_ptr`, or (FROM_QUERY) gathered from the decode query
     ``[B, Hq, d]`` at the heavy channels ``[P, H_sel, r]``."""
     inside = (cols >= start) & (cols < end)
+    # the codes' loads do not wait for the mask's: a column is read if it is inside [start, end), and the
+    # mask applies to its key
+    selectable = inside
     if HAS_MASK:
-        inside = inside & (tl.load(mask_ptr + i * s_mb + cols, mask=inside, other=0) != 0)
+        selectable = inside & (tl.load(mask_ptr + i * s_mb + cols, mask=inside, other=0) != 0)
     if LOAD_BYTES == 4:
         words = (codes_ptr + row * s_cb + head * s_ch).to(tl.pointer_type(tl.int32))
     elif LOAD_BYTES == 2:
@@ -127,7 +130,7 @@ def _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr,
         scale = tl.load(scale_ptr + row * s_sb + head * s_sh + cols, mask=inside, other=0.0).to(tl.float32)
         zero = tl.load(zero_ptr + row * s_zb + head * s_zh + cols, mask=inside, other=0.0).to(tl.float32)
         score = scale * acc + zero * q_sum
-    ok = inside & (tl.abs(score) < float("inf"))  # NaN fails the comparison too
+    ok = selectable & (tl.abs(score) < float("inf"))  # NaN fails the comparison too
     return tl.where(ok, _score_key(score), -2147483648)
 
 
@@ -186,7 +189,7 @@ def _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_pt
 @triton.jit
 def _label_topk_sketch(
     ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr, mask_ptr,
-    sketch_ptr, done_ptr, out_ptr, n, heavy, r0, r1, r2, r3,
+    sketch_ptr, done_ptr, list_ptr, out_ptr, n, heavy, list_cap, r0, r1, r2, r3,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb,
     HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
     LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr,
@@ -243,12 +246,25 @@ def _label_topk_sketch(
                 count_hi = tl.where(go_down, count_at, count_hi)
                 active = active & (count_lo > r + slack) & (hi - lo > 1)
                 step += 1
-        record = sketch_ptr + (pid.to(tl.int64) * tl.num_programs(1) + chunk) * SKETCH_
+        # the chunk's list: its keys >= the heavy level's key t (the last level), packed with their columns in
+        # column order, of the keys equal to t only the first heavy - (keys above t): every key of the chunk
+        # that can be among the row's top heavy, at most heavy + heavy / 4 of them (the level's window)
+        chunk_key = tl.sum(tl.where(levels == LEVELS_ - 1, lo, 0), 0)
+        above = ok & (key > chunk_key)
+        tie = ok & (key == chunk_key)
+        room = heavy - tl.sum(above.to(tl.int32), 0)
+        keep = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= room))
+        slot = tl.cumsum(keep.to(tl.int32), 0) - 1
+        keep = keep & (slot < list_cap)  # never beyond the list (the window bounds it)
+        listed = pid.to(tl.int64) * tl.num_programs(1) + chunk
+        tl.store(list_ptr + listed * list_cap + slot, (key.to(tl.int64) << 32) | cols.to(tl.int64), mask=keep)
+        record = sketch_ptr + listed * SKETCH_
         tl.store(record + levels, lo.to(tl.int32))
         tl.store(record + LEVELS_ + levels, count_lo)
         tl.store(record + 2 * LEVELS_, count)
         tl.store(record + 2 * LEVELS_ + 1, largest)
         tl.store(record + 2 * LEVELS_ + 2, smallest)
+        tl.store(record + 2 * LEVELS_ + 3, tl.sum(keep.to(tl.int32), 0))
 
 
 @triton.jit
@@ -285,16 +301,12 @@ def _label_candidates(
 
 @triton.jit
 def _label_topk_select(
-    ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr, mask_ptr,
-    sketch_ptr, done_ptr, cand_ptr, out_ptr, n, heavy, chunk_cap, cand_stride,
-    s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb,
-    HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
-    LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
-    CHUNK_: tl.constexpr, CHUNKS_PAD: tl.constexpr, LEVELS_: tl.constexpr, SKETCH_: tl.constexpr,
-    TILE: tl.constexpr,
+    sketch_ptr, done_ptr, list_ptr, cand_ptr, out_ptr, heavy, chunk_cap, cand_stride,
+    CHUNKS_PAD: tl.constexpr, LEVELS_: tl.constexpr, SKETCH_: tl.constexpr, TILE: tl.constexpr,
+    LIST_PAD: tl.constexpr,
 ):
-    """Program (row-head pid, chunk): the chunk's candidates; the row-head's last program, its columns."""
+    """Program (row-head pid, chunk): the chunk's candidates (from its list); the row-head's last program, its
+    columns."""
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -311,9 +323,14 @@ def _label_topk_select(
     smallest = tl.load(records + 2 * LEVELS_ + 2, mask=real, other=2147483647)
     need = tl.minimum(tl.sum(count, 0), heavy)  # the row's heavy count: fewer when its window is short
     # L: the largest recorded key with at least `need` keys proven >= it (the row's smallest key always is)
+    # (per candidate value v and chunk: the count of its smallest recorded key >= v; a level at a time, so that
+    # the largest tensor is [CHUNKS_PAD * LEVELS, CHUNKS_PAD])
     values = tl.reshape(lo, (CHUNKS_PAD * LEVELS_,))
-    proven = tl.max(tl.where(lo[None, :, :] >= values[:, None, None], count_lo[None, :, :], 0), 2)
-    proven = tl.maximum(proven, tl.where(smallest[None, :] >= values[:, None], count[None, :], 0))
+    proven = tl.where(smallest[None, :] >= values[:, None], count[None, :], 0)
+    for level in tl.static_range(LEVELS_):
+        level_key = tl.load(records + level, mask=real, other=-2147483648)
+        level_count = tl.load(records + LEVELS_ + level, mask=real, other=0)
+        proven = tl.maximum(proven, tl.where(level_key[None, :] >= values[:, None], level_count[None, :], 0))
     bound = tl.max(tl.where(tl.sum(proven, 1) >= need, values, -2147483648), 0)
     bound = tl.maximum(bound, tl.min(tl.where(count > 0, smallest, 2147483647), 0))
     # per chunk: keys >= L are at most the count of any recorded key <= L, its count, and chunk_cap
@@ -327,12 +344,12 @@ def _label_topk_select(
     my_upper = tl.sum(tl.where(mine, upper, 0), 0)
     buf = cand_ptr + pid.to(tl.int64) * cand_stride
 
-    if my_upper > 0:  # this chunk has keys >= L: score it again, write them in column order
-        cols, key = _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr,
-                                  window_ptr, mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw,
-                                  s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, HEADS, ROWS_INDEXED, HEADS_INDEXED, R, BITS,
-                                  LOAD_BYTES, GROUP,
-                                  PER_ROW_CHANNELS, FROM_QUERY, HAS_WINDOW, HAS_MASK, CHUNK_)
+    if my_upper > 0:  # this chunk has keys >= L: its listed ones, written in column order
+        listed = pid.to(tl.int64) * chunks + chunk
+        entries = tl.arange(0, LIST_PAD)
+        length = tl.load(sketch_ptr + listed * SKETCH_ + 2 * LEVELS_ + 3)
+        packed = tl.load(list_ptr + listed * chunk_cap + entries, mask=entries < length, other=SENTINEL)
+        key = (packed >> 32).to(tl.int32)  # SENTINEL: INT32_MIN, below every L
         above = key > bound
         tie = key == bound
         # of the keys equal to L the row needs at most need - (its keys above L) <= need - (ours above L)
@@ -340,12 +357,10 @@ def _label_topk_select(
         keep = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= tie_room))
         slot = tl.cumsum(keep.to(tl.int32), 0) - 1
         keep = keep & (slot < my_upper)  # never outside the range (a bound the sketch proves)
-        packed = (key.to(tl.int64) << 32) | cols.to(tl.int64)
         tl.store(buf + my_offset + slot, packed, mask=keep)
         written = tl.sum(keep.to(tl.int32), 0)
-        rest = tl.arange(0, CHUNK_)
-        tl.store(buf + my_offset + rest, tl.full((CHUNK_,), SENTINEL, tl.int64),
-                 mask=(rest >= written) & (rest < my_upper))
+        tl.store(buf + my_offset + entries, tl.full((LIST_PAD,), SENTINEL, tl.int64),
+                 mask=(entries >= written) & (entries < my_upper))
 
     tl.debug_barrier()  # every thread's writes before the ticket (released by it)
     ticket = tl.atomic_add(done_ptr + pid, 1, sem="acq_rel", scope="gpu")
@@ -593,21 +608,22 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     if chunks == 1:
         _label_topk_sketch[(row_heads, 1)](
             labels, query, channels, code_bytes, scale_t, zero_t, rows, heads, window_t, mask_t,
-            out, out, out, n, heavy, *levels, *strides, SINGLE=True, num_warps=warps, **common,
+            out, out, out, out, n, heavy, 0, *levels, *strides, SINGLE=True, num_warps=warps, **common,
         )
         return out
     sketch = torch.empty(row_heads, chunks, SKETCH, dtype=torch.int32, device=device)
     done = torch.empty(row_heads, dtype=torch.int32, device=device)
-    chunk_cap = min(size, heavy + heavy // 4 + 1)
+    chunk_cap = min(size, heavy + heavy // 4 + 1)  # a chunk's list, and its most candidates
+    lists = torch.empty(row_heads, chunks, chunk_cap, dtype=torch.int64, device=device)
     cand_stride = -(-chunks * chunk_cap // 16) * 16  # whole 128-byte lines per row-head (no shared line)
     cand = torch.empty(row_heads, cand_stride, dtype=torch.int64, device=device)
     _label_topk_sketch[(row_heads, chunks)](
         labels, query, channels, code_bytes, scale_t, zero_t, rows, heads, window_t, mask_t,
-        sketch, done, out, n, heavy, *levels, *strides, SINGLE=False, num_warps=warps, **common,
+        sketch, done, lists, out, n, heavy, chunk_cap, *levels, *strides, SINGLE=False, num_warps=warps, **common,
     )
     _label_topk_select[(row_heads, chunks)](
-        labels, query, channels, code_bytes, scale_t, zero_t, rows, heads, window_t, mask_t,
-        sketch, done, cand, out, n, heavy, chunk_cap, cand_stride, *strides,
-        CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), num_warps=tail_warps or warps, **common,
+        sketch, done, lists, cand, out, heavy, chunk_cap, cand_stride,
+        CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), LEVELS_=LEVELS, SKETCH_=SKETCH, TILE=tile,
+        LIST_PAD=max(16, triton.next_power_of_2(chunk_cap)), num_warps=tail_warps or warps,
     )
     return out

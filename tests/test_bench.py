@@ -242,7 +242,9 @@ def test_grid_tables():
     assert grid.default_runs("quest@1024", config, 1, 32768, 32, 2, cuda) == "dense"  # 124 MiB < 96 + 96
     assert grid.default_runs("quest@1024", config, 4, 16384, 32, 2, cuda) == "sparse"  # 240 MiB
     assert grid.default_runs("hshare-1_2-1_2-1_2@1024", config, 1, 32768, 32, 2, cuda) == "sparse"
-    assert grid.default_runs("loki@1024", config, 4, 131072, 32, 2, cuda) == "dense"
+    assert grid.default_runs("loki@1024", config, 4, 16384, 32, 2, cuda) == "dense"  # 240 MiB < 96 + 288
+    assert grid.default_runs("loki@1024", config, 4, 32768, 32, 2, cuda) == "sparse"  # 496 MiB
+    assert grid.default_runs("loki@1024", config, 1, 131072, 32, 2, cuda) == "sparse"  # 508 MiB
     assert grid.crossover_table([r for r in rows if r.path == "dense"], {"llama3-8b": config}, 2, cuda) == []
     table = grid.rows_table([_row("static", 4, 32768, 60.0, peak=50.0), _row("dense", 4, 32768, 285.0, peak=50.1)])
     assert table[2] == "| llama3-8b | 4 | 32768 | static | 60.0 | 1.00x static | 20.0 | 400 | 15% | 50.00 | 1.00 |"

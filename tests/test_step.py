@@ -1,6 +1,7 @@
 """The step planner's dense-or-sparse rule (`hshare.step.StepPlanner.sparse_pays`): a step runs sparse only
 where it saves enough K/V reads per layer, counted by hand here."""
 
+import math
 import os
 
 import pytest
@@ -63,9 +64,10 @@ def test_auto_threshold_by_device_and_graphs():
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_a_policy_with_a_costlier_selection_needs_more_saved(graphs):
-    """Quest's selection (every page scored and ranked) adds its `selection_min_saved_mib` to the auto threshold
-    on CUDA, Loki's never pays there; the label policy adds nothing; an explicit `dense_fallback_mib` and the CPU's 0 stay as they are.
-    The planner's rule, on a stand-in CUDA cache, runs a step sparse exactly from that threshold and says why."""
+    """Quest's selection (every page scored and ranked) and Loki's (every projected key scored) add their
+    `selection_min_saved_mib` to the auto threshold on CUDA; the label policy adds nothing; an explicit
+    `dense_fallback_mib` and the CPU's 0 stay as they are. The planner's rule, on a stand-in CUDA cache, runs a
+    step sparse exactly from that threshold and says why."""
     from types import SimpleNamespace
 
     from hshare.config import AUTO_MIN_SAVED_MIB
@@ -74,16 +76,19 @@ def test_a_policy_with_a_costlier_selection_needs_more_saved(graphs):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     base = AUTO_MIN_SAVED_MIB["graphs" if graphs else "eager"]
     labels, quest = HShareConfig.from_preset("ds@512"), HShareConfig.from_preset("quest@512")
-    extra = quest.policy.selection_min_saved_mib
-    assert extra > 0 and labels.policy.selection_min_saved_mib == 0
+    loki = HShareConfig.from_preset("loki")
+    assert labels.policy.selection_min_saved_mib == 0
     assert labels.sparse_min_saved_bytes(cuda, graphs) == base * 2**20
-    assert quest.sparse_min_saved_bytes(cuda, graphs) == (base + extra) * 2**20
-    assert quest.sparse_min_saved_bytes(cpu, graphs) == 0
-    assert quest.replace(dense_fallback_mib=5).sparse_min_saved_bytes(cuda, graphs) == 5 * 2**20
+    for costly in (quest, loki):
+        extra = costly.policy.selection_min_saved_mib
+        assert 0 < extra < math.inf
+        assert costly.sparse_min_saved_bytes(cuda, graphs) == (base + extra) * 2**20
+        assert costly.sparse_min_saved_bytes(cpu, graphs) == 0
+        assert costly.replace(dense_fallback_mib=5).sparse_min_saved_bytes(cuda, graphs) == 5 * 2**20
     token_bytes = int(torch.randint(1, 9, ())) * 4096  # K and V of one token in one layer
     cache = SimpleNamespace(storage_device=cuda, layer_kv_bytes=lambda rows, columns: rows * columns * token_bytes)
     rows = int(torch.randint(1, 5, ()))
-    for config in (labels, quest):
+    for config in (labels, quest, loki):
         planner = StepPlanner(config, num_layers=2)
         needed = config.sparse_min_saved_bytes(cuda, graphs)
         first = -(-int(needed) // (rows * token_bytes)) + config.budget.total  # the fewest columns that save it
@@ -91,14 +96,10 @@ def test_a_policy_with_a_costlier_selection_needs_more_saved(graphs):
         assert planner.decision.startswith("dense")
         assert planner.sparse_pays(cache, rows, first, graphs)
         assert planner.decision.startswith("sparse")
-        assert (f"of which {extra:g} for quest's selection" in planner.decision) == (config is quest)
-    # Loki's selection never paid on CUDA: dense at any size by default, sparse where the fallback is off
-    loki = HShareConfig.from_preset("loki")
-    planner = StepPlanner(loki, num_layers=2)
-    assert not planner.sparse_pays(cache, rows, 10**9, graphs)
-    assert "loki's selection being slower than dense attention" in planner.decision
-    assert StepPlanner(loki.replace(dense_fallback_mib=0), num_layers=2).sparse_pays(cache, rows, 10**9, graphs)
-    assert loki.sparse_min_saved_bytes(cpu, graphs) == 0
+        extra = config.policy.selection_min_saved_mib
+        assert (f"of which {extra:g} for {config.policy.name}'s selection" in planner.decision) == (config is not labels)
+    # the fallback off: sparse at any size
+    assert StepPlanner(loki.replace(dense_fallback_mib=0), num_layers=2).sparse_pays(cache, rows, 1 + 128, graphs)
 
 
 @pytest.mark.parametrize("policy", ["ds", "quest"])
