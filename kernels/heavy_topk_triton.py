@@ -4,9 +4,9 @@ Twin of `heavy_topk.select_heavy_torch`. ``torch.topk`` on a decode step's ``[B 
 a multi-block radix select of five kernels; here
 one program finds its row's k-th largest score by a 32-step bisection of the scores' order-preserving
 integer keys (each step one comparison and one block sum over the row held in registers), then
-writes the columns above it, and the first columns equal to it, in ascending column order (a block
-prefix sum gives each its slot). Unselectable or non-finite columns never count; slots past the
-window's size are ``-1``.
+writes the columns above it, and the first columns equal to it (-0.0 equals +0.0), in ascending column
+order (a block prefix sum gives each its slot). Unselectable or non-finite columns never count; slots
+past the window's size are ``-1``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .key_search_triton import _score_key
 
 MAX_COLUMNS = 32768  # a row in registers: 64 columns per thread at 16 warps; longer rows use the twin
 
@@ -43,10 +45,9 @@ def _heavy_topk(
     score = tl.load(scores_ptr + a * s_sa + h * s_sh + columns, mask=in_row, other=0.0)
     ok = in_row & (tl.load(selectable_ptr + a * s_ma + columns, mask=in_row, other=0) != 0)
     ok = ok & (tl.abs(score) < float("inf"))  # NaN fails the comparison too
-    # order-preserving int32 key of an fp32 score (negative floats flip their magnitude bits); columns
-    # that may not be chosen get INT32_MIN, which no bisection candidate reaches (candidates are >= 1)
-    bits = score.to(tl.int32, bitcast=True)
-    key = tl.where(ok, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), -2147483648)
+    # order-preserving int32 key of an fp32 score (-0.0 as +0.0); columns that may not be chosen get
+    # INT32_MIN, which no bisection candidate reaches (candidates are >= 1)
+    key = tl.where(ok, _score_key(score), -2147483648)
     k = tl.minimum(tl.sum(ok.to(tl.int32), 0), heavy)
     threshold = _threshold_by_bisection(key, k)
     signed = tl.where(k > 0, (threshold - 2147483648).to(tl.int32), 2147483647)  # k = 0: above nothing

@@ -480,6 +480,21 @@ def test_heavy_topk_triton_keeps_the_best_of_the_window(rows, heads, n, heavy, t
     assert picked.numel() == 0 or int(picked.max()) < n
 
 
+def test_heavy_topk_triton_takes_signed_zeros_as_equal():
+    """-0.0 and +0.0 are one score (as in every kernel that ranks score keys): where the heavy-th best is a zero,
+    the zeros taken are the first in column order, whatever their signs."""
+    from hshare.kernels.heavy_topk_triton import select_heavy_triton
+
+    n, heavy = 64, 20
+    signs = torch.randint(0, 2, (2, 3, n), generator=torch.Generator().manual_seed(int(torch.randint(0, 999, ()))))
+    scores = torch.where(signs.bool(), torch.tensor(0.0), torch.tensor(-0.0))
+    scores[:, :, 40:45] = 1.0  # five above the zeros
+    selectable = torch.ones(2, n, dtype=torch.bool)
+    got = select_heavy_triton(scores.to(DEVICE), selectable.to(DEVICE), heavy).cpu()
+    want = torch.cat((torch.arange(heavy - 5), torch.arange(40, 45)))  # the first 15 zeros, then the five ones
+    assert torch.equal(got, want.expand(2, 3, heavy))
+
+
 def test_heavy_topk_triton_skips_non_finite_scores_and_broadcasts_the_window():
     """-inf / +inf / NaN scores are never chosen (as the twin); one window ``[1, n]`` serves all rows."""
     from hshare.kernels import select_heavy_torch
