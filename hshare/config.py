@@ -545,6 +545,12 @@ class HShareConfig:
         (`RuntimeConfig.sparse_min_saved_bytes` with the policy's `PolicyConfig.selection_min_saved_mib`)."""
         return self.runtime.sparse_min_saved_bytes(device, graphs, self.policy.selection_min_saved_mib)
 
+    def sparse_saved_bytes(self, rows: int, columns: int, token_bytes: int) -> int:
+        """The K/V bytes one layer's sparse step does not read at `columns` own columns: ``rows x (columns - N_c) x
+        token_bytes`` (K and V of one token in one layer); the dense-or-sparse rule (`hshare.step.StepPlanner`)
+        runs a step sparse where they reach `sparse_min_saved_bytes`."""
+        return rows * max(columns - self.budget.total, 0) * token_bytes
+
     @property
     def candidate_count(self) -> int:
         """C: candidates a selecting head keeps for the heads, layers and steps that refine its selection

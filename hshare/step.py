@@ -297,7 +297,7 @@ class StepPlanner:
         run eagerly. Saved bytes grow with the columns, so a length that does not pay never paid before it.
         The decision and its numbers are kept in `decision`."""
         config = self.config
-        saved = rows * max(columns - config.budget.total, 0) * cache.layer_kv_bytes(1, 1)
+        saved = config.sparse_saved_bytes(rows, columns, cache.layer_kv_bytes(1, 1))
         needed = config.sparse_min_saved_bytes(cache.storage_device, graphs)
         pays = saved >= needed
         extra, policy = config.policy.selection_min_saved_mib, ""

@@ -73,10 +73,10 @@ def default_runs(path: str, model_config, rows: int, prompt: int, new_tokens: in
     if config is None or not config.sparse:
         return "-"
     threshold = config.sparse_min_saved_bytes(device, graphs=True)
-    token = rows * roofline.kv_token_bytes(model_config, element_bytes)
-    if token * max(prompt + new_tokens - 1 - config.budget.total, 0) < threshold:
+    token = roofline.kv_token_bytes(model_config, element_bytes)
+    if config.sparse_saved_bytes(rows, prompt + new_tokens - 1, token) < threshold:
         return "dense"
-    return "sparse" if token * max(prompt + 1 - config.budget.total, 0) >= threshold else "mixed"
+    return "sparse" if config.sparse_saved_bytes(rows, prompt + 1, token) >= threshold else "mixed"
 
 
 def _rate(row: GenerateRow) -> str:
