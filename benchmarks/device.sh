@@ -41,7 +41,8 @@
 #              Run it in a call of its own (with `long` it exceeds a 10-minute command)
 #   gridquest  the same crossover for Quest (Llama-3-8B shape, rows {1, 4, 16} x prompts {4k, 16k, 32k, 128k}): dense
 #              against quest@1024 with the fallback off, and what the default rule runs (a run of at most 300 s);
-#              QUEST_GRID_PATHS, QUEST_GRID_SHAPE (e.g. llama2-7b for MHA) and QUEST_GRID_PROMPTS override them
+#              QUEST_GRID_PATHS, QUEST_GRID_SHAPE (e.g. llama2-7b for MHA), QUEST_GRID_ROWS and QUEST_GRID_PROMPTS
+#              override them (also for Loki: QUEST_GRID_PATHS=dense,loki@1024+dense_fallback_mib=0)
 #
 # Two GPUs of one host (kind nvidia-h100-x2 / nvidia-h200-x2; NVLink multicast stays off). Each part ends
 # inside 10 minutes: every bench run is stopped after GPU2_SECONDS (default 540; its JSON keeps the rows done).
@@ -201,7 +202,8 @@ PY
         --paths "$LONG_PATHS" ;;
     gridquest)
       local shape=${QUEST_GRID_SHAPE:-llama3-8b}
-      grid 300 --name "grid_quest_$shape" --shapes "$shape" --rows 1,4,16 --prompts "${QUEST_GRID_PROMPTS:-4k,16k,32k,128k}" \
+      grid 300 --name "grid_quest_$shape" --shapes "$shape" --rows "${QUEST_GRID_ROWS:-1,4,16}" \
+        --prompts "${QUEST_GRID_PROMPTS:-4k,16k,32k,128k}" \
         --new-tokens 32 --paths "${QUEST_GRID_PATHS:-dense,quest@1024$OFF,quest@1024}" ;;
     grid)
       grid 180 --name grid_mha_llama2-7b --shapes llama2-7b --rows 1,4,16,64 --prompts 1k,4k,16k,32k,128k \
