@@ -14,6 +14,8 @@ step serves every step; the host-side `length` is advanced by the caller (`HShar
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 _GRANULE = 256  # capacity is a multiple of this many tokens
@@ -79,7 +81,7 @@ class GrowingBuffer:
         return self.storage[:, :, start:needed]
 
     def _allocate(self, batch_heads: tuple[int, int], capacity: int, tail: tuple[int, ...], dtype: torch.dtype,
-                  device: torch.device, make) -> torch.Tensor:
+                  device: torch.device, make: Callable[..., torch.Tensor]) -> torch.Tensor:
         """A ``[B, H, capacity, *tail]`` tensor from `make` (torch.zeros / torch.empty), tokens last in memory
         when `tokens_last`."""
         if not self.tokens_last:

@@ -89,6 +89,9 @@ class SelectionPolicy(ABC):
         super().__init_subclass__(**kwargs)
         cls.supports_static = cls.write is not SelectionPolicy.write
         cls.scores_candidates = cls.candidate_scores is not SelectionPolicy.candidate_scores
+        if not set(cls.tokens_last_buffers) <= set(cls.column_buffers):
+            raise TypeError(f"{cls.__name__} declares tokens_last_buffers {cls.tokens_last_buffers} that are not among "
+                            f"its column_buffers {cls.column_buffers}; accepted: a subset of column_buffers")
         if cls.slot_buffers and cls.slots is SelectionPolicy.slots:
             raise TypeError(f"{cls.__name__} declares slot_buffers {cls.slot_buffers} but no slots(columns); "
                             "accepted: a slots() override mapping columns to slots, or column_buffers only")

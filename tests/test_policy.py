@@ -148,6 +148,9 @@ def test_registration_checks_and_the_base_defaults(monkeypatch):
         register_policy("bytes")(type("Bytes", (Counting,), {"unit": "bytes"}))
     with pytest.raises(TypeError, match="slot_buffers \\('pages',\\) but no slots"):
         type("Paged", (Counting,), {"slot_buffers": ("pages",)})
+    with pytest.raises(TypeError, match="tokens_last_buffers \\('codes',\\) that are not among its column_buffers"):
+        type("Misnamed", (Counting,), {"tokens_last_buffers": ("codes",)})
+    assert type("Transposed", (Counting,), {"tokens_last_buffers": ("marks",)})(2, 2, 0).marks.tokens_last
 
 
 def test_each_policy_describes_itself():
