@@ -208,6 +208,39 @@ def test_triton_short_windows_ties_and_non_finite():
     assert bool((empty == NO_TOKEN).all())
 
 
+def test_triton_random_chunked_rows_match_the_twin():
+    """Fresh random rows over many chunks (up to 63: the bound L over every chunk's sketch, each chunk's list of
+    keys at or above its heavy-level key): 4/8/16-bit labels (16-bit also channel-major), few distinct scores
+    (ties at every level), random windows and masks, candidates in registers or in tiles of 16. The kernel's
+    columns are the twin's exactly (interpreted on CPU: the same scores)."""
+    if DEVICE != "cpu":
+        pytest.skip("exact equality needs the interpreter's scores")
+    seed = int.from_bytes(os.urandom(4), "little")
+    generator = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (), generator=generator))]
+
+    for case in range(5):
+        bits, r, batch, sel_heads = pick([4, 8, 16]), pick([2, 4, 8]), pick([1, 2, 3]), pick([1, 2])
+        n, chunk, heavy = pick([300, 700, 1000]), pick([16, 32, 64]), pick([1, 7, 40, 150])
+        codes, scale, zero = label_cache(batch, sel_heads, n, r, bits, torch.bfloat16, seed=seed + case)
+        if pick([False, True]):  # few distinct labels: ties everywhere
+            codes = codes & 0x11 if bits != 16 else (codes.float() * 2).round().div(2).to(codes.dtype)
+        if bits == 16 and pick([False, True]):
+            codes = codes.transpose(-1, -2).contiguous().transpose(-1, -2)
+        query = torch.randn(batch, sel_heads * 2, 16, generator=generator)
+        channels = torch.stack([torch.randperm(16, generator=generator)[:r] for _ in range(batch * sel_heads)])
+        channels = channels.reshape(batch, sel_heads, r)
+        start = torch.randint(0, n, (batch,), generator=generator)
+        window = torch.stack((start, (start + torch.randint(0, n, (batch,), generator=generator)).clamp(max=n)), 1)
+        selectable = torch.rand(batch, n, generator=generator) < pick([0.3, 0.9, 1.0])
+        got = run_triton(None, codes, scale, zero, bits, heavy, None, None, window, selectable, query=query,
+                         channels=channels, chunk=chunk, tile=pick([16, 4096]))
+        want = decode_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, window, selectable)
+        assert torch.equal(got, want), f"seed {seed}, case {case}: {bits}-bit, n {n}, chunk {chunk}, heavy {heavy}"
+
+
 def test_triton_heavy_beyond_chunks_and_row():
     """heavy above a chunk (every chunk's candidates may fill its range) and above the row (all
     selectable columns, then NO_TOKEN), 8-bit labels read byte by byte (3 channels: an odd row)."""
