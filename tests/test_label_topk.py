@@ -209,7 +209,7 @@ def test_triton_short_windows_ties_and_non_finite():
 
 
 def test_triton_random_chunked_rows_match_the_twin():
-    """Fresh random rows over many chunks (up to 63: the bound L over every chunk's sketch, each chunk's list of
+    """Fresh random rows over many chunks (up to 44: the bound L over every chunk's sketch, each chunk's list of
     keys at or above its heavy-level key): 4/8/16-bit labels (16-bit also channel-major), few distinct scores
     (ties at every level), random windows and masks, candidates in registers or in tiles of 16. The kernel's
     columns are the twin's exactly (interpreted on CPU: the same scores)."""
@@ -221,9 +221,9 @@ def test_triton_random_chunked_rows_match_the_twin():
     def pick(options):
         return options[int(torch.randint(len(options), (), generator=generator))]
 
-    for case in range(5):
+    for case in range(3):
         bits, r, batch, sel_heads = pick([4, 8, 16]), pick([2, 4, 8]), pick([1, 2, 3]), pick([1, 2])
-        n, chunk, heavy = pick([300, 700, 1000]), pick([16, 32, 64]), pick([1, 7, 40, 150])
+        n, chunk, heavy = pick([300, 700]), pick([16, 32, 64]), pick([1, 7, 40, 150])
         codes, scale, zero = label_cache(batch, sel_heads, n, r, bits, torch.bfloat16, seed=seed + case)
         if pick([False, True]):  # few distinct labels: ties everywhere
             codes = codes & 0x11 if bits != 16 else (codes.float() * 2).round().div(2).to(codes.dtype)
