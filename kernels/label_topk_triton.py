@@ -135,6 +135,17 @@ def _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr,
 
 
 @triton.jit
+def _keys_from(key, threshold, need, room):
+    """The keys ``[N]`` above `threshold` and the first (in order) of those equal to it, `need` in all at most,
+    packed in order into `room` slots: (taken ``[N]`` bool, slot ``[N]`` int32). INT32_MIN is no key."""
+    above = key > threshold
+    tie = (key == threshold) & (key != -2147483648)
+    taken = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need - tl.sum(above.to(tl.int32), 0)))
+    slot = tl.cumsum(taken.to(tl.int32), 0) - 1
+    return taken & (slot < room), slot
+
+
+@triton.jit
 def _level_targets(r0, r1, r2, r3, LEVELS_: tl.constexpr):
     """The LEVELS target ranks as a vector (ascending; the last is `heavy`)."""
     levels = tl.arange(0, LEVELS_)
@@ -250,12 +261,7 @@ def _label_topk_sketch(
         # column order, of the keys equal to t only the first heavy - (keys above t): every key of the chunk
         # that can be among the row's top heavy, at most heavy + heavy / 4 of them (the level's window)
         chunk_key = tl.sum(tl.where(levels == LEVELS_ - 1, lo, 0), 0)
-        above = ok & (key > chunk_key)
-        tie = ok & (key == chunk_key)
-        room = heavy - tl.sum(above.to(tl.int32), 0)
-        keep = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= room))
-        slot = tl.cumsum(keep.to(tl.int32), 0) - 1
-        keep = keep & (slot < list_cap)  # never beyond the list (the window bounds it)
+        keep, slot = _keys_from(key, chunk_key, heavy, list_cap)  # never beyond the list (the window bounds it)
         listed = pid.to(tl.int64) * tl.num_programs(1) + chunk
         tl.store(list_ptr + listed * list_cap + slot, (key.to(tl.int64) << 32) | cols.to(tl.int64), mask=keep)
         record = sketch_ptr + listed * SKETCH_
@@ -350,13 +356,9 @@ def _label_topk_select(
         length = tl.load(sketch_ptr + listed * SKETCH_ + 2 * LEVELS_ + 3)
         packed = tl.load(list_ptr + listed * chunk_cap + entries, mask=entries < length, other=SENTINEL)
         key = (packed >> 32).to(tl.int32)  # SENTINEL: INT32_MIN, below every L
-        above = key > bound
-        tie = key == bound
-        # of the keys equal to L the row needs at most need - (its keys above L) <= need - (ours above L)
-        tie_room = tl.maximum(need - tl.sum(above.to(tl.int32), 0), 0)
-        keep = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= tie_room))
-        slot = tl.cumsum(keep.to(tl.int32), 0) - 1
-        keep = keep & (slot < my_upper)  # never outside the range (a bound the sketch proves)
+        # of the keys equal to L the row needs at most need - (its keys above L) <= need - (ours above L); never
+        # outside the range (a bound the sketch proves)
+        keep, slot = _keys_from(key, bound, need, my_upper)
         tl.store(buf + my_offset + slot, packed, mask=keep)
         written = tl.sum(keep.to(tl.int32), 0)
         tl.store(buf + my_offset + entries, tl.full((LIST_PAD,), SENTINEL, tl.int64),
