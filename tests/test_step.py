@@ -135,4 +135,6 @@ def test_each_step_gives_the_token_of_the_path_it_took(policy, kv_heads):
     with hshare.patched(model, config.replace(dense_fallback_mib=0)):
         forced = greedy(model, extended, extended_mask, new_tokens=new_tokens - crossing + 1)
     assert torch.equal(forced, ruled), seed
-    assert not torch.equal(ruled, dense), seed  # the sparse steps chose: N_c 12 of 30+ columns changes tokens
+    # the sparse steps chose (N_c 12 of 30+ columns): they read fewer K/V rows than dense attention would. (Their
+    # tokens may still equal dense's: a few greedy steps of a tiny model can keep its argmax.)
+    assert cache.stats.kv_rows_read < cache.stats.dense_kv_rows, seed
