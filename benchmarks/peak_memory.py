@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--paths", default="static,dense")
     parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--prefix", default="off", choices=("off", "auto", "on"),
+                        help="the patched paths' shared-prefix mode (`hshare.patch`'s prefix; default off)")
     args = parser.parse_args()
     model = build_model(args.shape, None, "cuda", torch.bfloat16, args.prompt + args.new_tokens + 8)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device="cuda")
@@ -70,7 +72,7 @@ def main() -> None:
         patched = path != "static"
         if not patched:
             kwargs["cache_implementation"] = "static"
-        context = hshare.patched(model, path, prefix="off") if patched else torch.no_grad()
+        context = hshare.patched(model, path, prefix=args.prefix) if patched else torch.no_grad()
         with context:
             def generate():
                 extra = {"past_key_values": hshare.new_cache(model)} if patched else {}

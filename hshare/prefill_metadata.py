@@ -8,7 +8,8 @@ built from the cache's keys *after* the prefill forward has returned (`complete`
 attention activations are alive, so metadata allocated there (0.8 GiB of labels at 32 layers,
 16 rows of 4k tokens) adds to the generation's peak memory; afterwards only the weights and the
 KV are. The planner keeps for the layer only what the cache does not: the policy made from its prompt
-queries (heavy channels, no token buffers yet; on the layer), what the policy scores of the evidence rows' queries
+queries (heavy channels or Loki's principal directions, no token buffers yet; on the layer, its row tensors
+parked until `complete`), what the policy scores of the evidence rows' queries
 (`SelectionPolicy.score_query`: for labels ``[B, H_sel, W, r]``, a quarter of the queries at r = 16 in
 fp32, 12 MiB less for 32 layers of 16 rows, 32 heads) and the keys' validity ``[B, n]``, one copy
 shared by the layers of a forward (`PendingPrefill`). On CUDA both wait in pinned host memory (copies
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hshare.planner import head_similarity, layer_overlaps
-from hshare.policy import new_policy
+from hshare.policy import SelectionPolicy, new_policy
 from hshare.selection import prefill_middle_windows, select_heavy
 
 if TYPE_CHECKING:
@@ -64,6 +65,15 @@ def unpark(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
+def _move_row_tensors(policy: SelectionPolicy, move) -> None:
+    """`move` (`park` or `unpark`) applied to each of the policy's row tensors (`SelectionPolicy.row_tensors`,
+    `row_or_shared_tensors`) that is set."""
+    for name in policy.row_tensors + policy.row_or_shared_tensors:
+        tensor = getattr(policy, name)
+        if tensor is not None:
+            setattr(policy, name, move(tensor))
+
+
 def defer(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
           valid: torch.Tensor) -> None:
     """Inside a prefill forward: make the layer's selection policy at its first prefill (heavy channels
@@ -83,6 +93,7 @@ def defer(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch
     if planner.collects_evidence:
         rows = min(cache.config.planner.rows, query.shape[2])
         evidence = park(layer.policy.score_query(query[:, :, query.shape[2] - rows:]))
+    _move_row_tensors(layer.policy, park)  # the policy's per-row state too (Loki: [B, Hkv, d, r] fp32 a layer)
     # one copy of the validity per forward: every layer sees the same mask (views with one address)
     source = (valid.data_ptr(), valid.shape, valid.stride())
     if planner.prefill_valid is None or planner.prefill_valid[0] != source:
@@ -97,6 +108,7 @@ def complete(cache: HShareCache, planner: StepPlanner, layer_idx: int) -> None:
     if pending is None:
         return
     device = layer.keys.device  # where the parked tensors come back to
+    _move_row_tensors(layer.policy, lambda tensor: unpark(tensor, device))
     valid = unpark(pending.valid, device)
     keys = layer.keys[:, :, :valid.shape[1]]  # the prefill's columns (a decode step may have added one)
     start = layer.policy.length

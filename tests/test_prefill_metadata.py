@@ -117,3 +117,50 @@ def test_evidence_held_through_the_forward_is_what_the_policy_scores(preset):
             assert evidence.shape == (3, cache.sel_heads, rows, config.policy.channels)
         else:
             assert evidence.shape == (3, cache.q_heads, rows, model.config.head_dim)
+
+
+@pytest.mark.parametrize("preset", ["loki", "hshare-1_2-1_2-1_2"])
+def test_policy_row_tensors_wait_off_the_device_through_the_forward(preset, monkeypatch):
+    """A policy made inside the prefill forward keeps its per-row state (Loki's principal directions
+    ``[B, Hkv, d, r]`` fp32, the labels' channels) parked through the rest of the forward
+    (pinned host memory on a GPU) and back on the keys' device once the metadata is built: decode then
+    selects what an unparked policy selects (the tokens equal the same preset's with parking a no-op)."""
+    from hshare import prefill_metadata
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_llama(layers=4, kv_heads=2).to(device)
+    ids, mask = (t.to(device) for t in left_padded([int(n) for n in torch.randint(20, 40, (3,))]))
+    with hshare.patched(model, preset, **SMALL):
+        want = greedy(model, ids, mask, new_tokens=4)
+    parked, during = set(), []
+    park = prefill_metadata.park
+
+    def recording_park(tensor):
+        out = park(tensor)
+        parked.add(id(out))
+        return out
+
+    def record(module, args, output):
+        if args[0].shape[1] > 1:
+            for i in cache.sparse_layers:
+                policy = cache.layers[i].policy
+                names = policy.row_tensors + policy.row_or_shared_tensors
+                during.extend((name, getattr(policy, name)) for name in names if getattr(policy, name) is not None)
+
+    monkeypatch.setattr(prefill_metadata, "park", recording_park)
+    with hshare.patched(model, preset, **SMALL):
+        cache = hshare.new_cache(model)
+        hook = model.model.layers[-1].mlp.register_forward_hook(record)
+        try:
+            got = greedy(model, ids, mask, new_tokens=4, past_key_values=cache)
+        finally:
+            hook.remove()
+    assert during  # every policy here has row state
+    assert all(id(tensor) in parked for _, tensor in during)
+    assert all(tensor.device.type == "cpu" and (device == "cpu" or tensor.is_pinned()) for _, tensor in during)
+    for i in cache.sparse_layers:  # back on the keys' device (on a GPU: not the parked host copies)
+        policy = cache.layers[i].policy
+        for name in policy.row_tensors + policy.row_or_shared_tensors:
+            tensor = getattr(policy, name)
+            assert tensor is None or tensor.device == cache.layers[i].keys.device
+    assert torch.equal(got, want)
