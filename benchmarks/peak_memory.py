@@ -32,8 +32,10 @@ def site(frames: list[dict]) -> str:
     return f"{python[0]['filename'].split('/')[-1]}:{python[0]['line']} {python[0]['name']}" if python else "?"
 
 
-def peak_sites(trace: list[dict]) -> tuple[int, Counter]:
-    """Replay alloc / free events: ``(largest net bytes allocated during the trace, bytes by site live then)``."""
+def peak_sites(trace: list[dict], free_action: str = "free_requested") -> tuple[int, Counter]:
+    """Replay alloc / free events: ``(largest net bytes allocated during the trace, bytes by site live then)``.
+    A block is freed at its `free_action` event: ``free_requested`` (the tensor released) or ``free_completed``
+    (the allocator took it back: later for a block used on another stream, and what its statistics count)."""
     live: dict[int, tuple[int, str]] = {}
     net = best = 0
     best_live: dict[int, tuple[int, str]] = {}
@@ -44,7 +46,7 @@ def peak_sites(trace: list[dict]) -> tuple[int, Counter]:
             net += size
             if net > best:
                 best, best_live = net, dict(live)
-        elif action == "free_requested" and addr in live:
+        elif action == free_action and addr in live:
             net -= live.pop(addr)[0]
     by_site = Counter()
     for size, where in best_live.values():
@@ -91,11 +93,16 @@ def main() -> None:
         peak = torch.cuda.max_memory_allocated()
         trace = snapshot["device_traces"][torch.cuda.current_device()]
         best, sites = peak_sites(trace)
+        completed, completed_sites = peak_sites(trace, "free_completed")
         mib = 2**20
         print(f"\n{path}: peak {peak / mib:.1f} MiB = baseline {baseline / mib:.1f} (before the call) "
-              f"+ {(peak - baseline) / mib:.1f}; trace replay: +{best / mib:.1f} MiB at its peak")
+              f"+ {(peak - baseline) / mib:.1f}; trace replay: +{best / mib:.1f} MiB at its peak "
+              f"(+{completed / mib:.1f} with frees as completed)")
         for where, size in sites.most_common(args.top):
             print(f"  {size / mib:10.2f} MiB  {where}")
+        if completed != best:  # what the allocator still held at its own peak (frees not yet completed)
+            for where, size in (completed_sites - sites).most_common(args.top):
+                print(f"  + {size / mib:8.2f} MiB  {where} (live at the peak with frees as completed)")
         del snapshot, trace
         gc.collect()
         torch._dynamo.reset()

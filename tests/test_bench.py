@@ -282,3 +282,25 @@ def test_static_runs_in_a_process_of_its_own():
     assert [r.path for r in rows] == ["unpatched", "static", "dense"]
     assert all(not r.error and r.decode_tok_s > 0 for r in rows)
     assert rows[1].agreement == 1.0 and rows[2].agreement == 1.0
+
+
+def test_peak_sites_replays_frees_as_requested_or_completed():
+    """`benchmarks/peak_memory.py`'s replay, by hand: a block used on another stream is released (free_requested)
+    before the allocator takes it back (free_completed); its statistics count it until then."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "peak_memory", Path(__file__).resolve().parents[1] / "benchmarks" / "peak_memory.py")
+    peak_memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peak_memory)
+    ours = [{"filename": "/site-packages/hshare/cache.py", "line": 7, "name": "claim"}]
+    theirs = [{"filename": "/site-packages/torch/nn/functional.py", "line": 3, "name": "linear"}]
+    trace = [dict(action="alloc", addr=1, size=10, frames=ours), dict(action="alloc", addr=2, size=5, frames=theirs),
+             dict(action="free_requested", addr=1, size=10), dict(action="alloc", addr=3, size=7, frames=theirs),
+             dict(action="free_completed", addr=1, size=10), dict(action="free_requested", addr=2, size=5),
+             dict(action="free_completed", addr=2, size=5)]
+    best, sites = peak_memory.peak_sites(trace)
+    assert best == 15 and sites == {"hshare/cache.py:7 claim": 10, "functional.py:3 linear": 5}
+    best, sites = peak_memory.peak_sites(trace, "free_completed")
+    assert best == 22 and sites == {"hshare/cache.py:7 claim": 10, "functional.py:3 linear": 12}
