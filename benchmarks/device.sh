@@ -30,7 +30,8 @@
 #   labelchunks the fused label top-k at B4 x 32k and B1 x 128k by columns per program (4096, 8192, 16384), and
 #              with 16-bit labels of 32 channels (what a Loki selection of rank 32 reads)
 #   peak       what is allocated at the peak of a generate, by site (peak_memory.py; PEAK_ARGS overrides the
-#              shape, default B8 1k prompts)
+#              shape, default B8 1k prompts; PEAK_PATHS the paths). At 128k: PEAK_ARGS="--shape llama3.1-8b
+#              --batch 1 --prompt 131072 --new-tokens 128" PEAK_PATHS=static,hshare-1_2-1_2-1_2@1024,loki@1024
 #   long       long32k then long128k, two runs of at most 270 s: Llama-3-8B shape B4 x 32k (one row in four padded) and Llama-3.1-8B
 #              shape B1 x 128k, 128 new tokens timed per step: StaticCache in its own process, dense, the sparse
 #              presets at N_c 1024 / 2048 with the dense fallback off, ds@1024 likewise, and 1/2-1/2-1/2@1024 as
@@ -189,8 +190,8 @@ PY
       timeout 100 python3 benchmarks/label_topk_timing.py --shapes 4x8x32768,1x8x131072 --heavy 944 --bits 16 \
         --channels 32 --json "$OUT/label_topk_loki.json" 2>&1 | grep -v Warning | tee -a "$OUT/label_chunks.log" ;;
     peak)
-      timeout 300 python3 benchmarks/peak_memory.py ${PEAK_ARGS:---batch 8 --prompt 1024} \
-        --paths static,dense,$HS@512 2>&1 | grep -v Warning | tee "$OUT/peak_memory.log" ;;
+      timeout 420 python3 benchmarks/peak_memory.py ${PEAK_ARGS:---batch 8 --prompt 1024} \
+        --paths "${PEAK_PATHS:-static,dense,$HS@512}" 2>&1 | grep -v Warning | tee "$OUT/peak_memory.log" ;;
     long)
       one_gpu_part long32k
       one_gpu_part long128k ;;
