@@ -20,6 +20,7 @@ there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,7 +66,7 @@ def unpark(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def _move_row_tensors(policy: SelectionPolicy, move) -> None:
+def _move_row_tensors(policy: SelectionPolicy, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """`move` (`park` or `unpark`) applied to each of the policy's row tensors (`SelectionPolicy.row_tensors`,
     `row_or_shared_tensors`) that is set."""
     for name in policy.row_tensors + policy.row_or_shared_tensors:
