@@ -14,7 +14,7 @@ step serves every step; the host-side `length` is advanced by the caller (`HShar
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -59,8 +59,8 @@ class LokiConfig(PolicyConfig):
 
     rank: int | None = None
     flat_names = {"loki_rank": "rank"}
-    # a selection scores every projected key (r 16-bit channels a token) at every layer, head and step: calibrated by
-    # Loki's crossover grid (`hshare bench grid`, benchmarks/RESULTS.md)
+    # a selection scores every projected key (r 16-bit channels a token) at every layer, head and step, so a sparse
+    # step must save this much more K/V reading a layer than the label policy's to pay for it
     selection_min_saved_mib = 288.0
 
     def __post_init__(self) -> None:

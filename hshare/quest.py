@@ -101,8 +101,8 @@ class QuestConfig(PolicyConfig):
 
     page_size: int = 16
     flat_names = {"page_size": "page_size"}
-    # a selection scores and ranks every page at every layer, head and selection step: calibrated by Quest's
-    # crossover grid (`hshare bench grid`, benchmarks/RESULTS.md)
+    # a selection scores and ranks every page at every layer, head and selection step, so a sparse step must save
+    # this much more K/V reading a layer than the label policy's to pay for it
     selection_min_saved_mib = 96.0
     refuses_successors = ("quest keeps whole pages, whose columns are each other's successors, so successors would "
                           "halve its pages")
