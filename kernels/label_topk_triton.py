@@ -14,7 +14,7 @@ The search for an exact r-th key is `key_search_triton._exact_threshold`.
 * Several chunks: two launches, each a program per (row-head, chunk).
 
   1. `_label_topk_sketch` scores its chunk and records a *sketch* of it: for ``LEVELS`` target ranks
-     (``ceil(heavy / chunks)``, twice and eight times that, and `heavy`) a key t with the exact number
+     (`sketch_levels`: the chunk's share of `heavy`, two multiples of it, and `heavy`) a key t with the exact number
      c of the chunk's keys >= t, ``r <= c <= r + r / 4`` (the search for all levels at once, stopped
      at that window), plus the chunk's count of keys and its largest and smallest key. It also writes
      the chunk's *list*: its keys >= the heavy level's key t (key and column packed in an int64, in
@@ -63,7 +63,10 @@ MAX_CANDIDATES = 16384  # candidate columns per (row, head) that `candidate_labe
 MAX_WALK_CANDIDATES = 8192  # the same for `candidate_label_walk_triton` (a register sort; wider ones: the twin)
 # The candidate top-k at 2,048 candidates a program (4 warps) takes more registers a thread than the 128 that
 # would let 4 programs share an SM, so 3 do. A grid of more than 3 programs an SM is capped at 128 registers (a
-# few spills), so that 4 share an SM and the grid takes a wave fewer.
+# few spills), so that 4 share an SM and the grid takes a wave fewer. The label top-k's launches over 4-bit labels
+# (8 warps from chunks of 4,096, about 160-180 registers a thread: one program an SM) are capped at 128 too where
+# their grid has more programs than SMs: two programs share an SM and hide each other's latency. Over 16-bit
+# labels the cap spills (slower), so they are not.
 TOPK_PROGRAMS_PER_SM = 3
 TOPK_REGISTER_CAP = 128
 LEVELS = 4  # target ranks per chunk sketch
@@ -74,40 +77,52 @@ SKETCH = 16  # int32 fields per (row-head, chunk) sketch: LEVELS keys, LEVELS co
 def _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
                 pid, i, row, head, cols, start, end,
                 s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_mb,
-                R: tl.constexpr, BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr,
-                PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr, HAS_MASK: tl.constexpr):
+                R: tl.constexpr, R_PAD: tl.constexpr, BITS: tl.constexpr, LOAD_BYTES: tl.constexpr,
+                GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr, HAS_MASK: tl.constexpr):
     """Keys ``[CHUNK]`` int32 of columns `cols` of (row, head): INT32_MIN where a column is outside
     ``[start, end)``, unselectable or scored non-finite. Codes are read in LOAD_BYTES words (the
     codes pointer is a byte pointer; `s_cb`, `s_ch` in bytes, the column stride `s_cn` and the word stride
     `s_cw` in words: a column's words are contiguous, or, channel-major, each word's columns are); the dot
-    is accumulated channel by channel. The
-    query labels: ``[A * H', r]`` fp32 at `ql_ptr`, or (FROM_QUERY) gathered from the decode query
-    ``[B, Hq, d]`` at the heavy channels ``[P, H_sel, r]``."""
+    is accumulated channel by channel. The query labels: ``[A * H', r]`` fp32 at `ql_ptr`, a load per
+    channel, or (FROM_QUERY) gathered from the decode query ``[B, Hq, d]`` at the heavy channels
+    ``[P, H_sel, r]`` (summed, in order, over the GROUP query heads). Gathered for 4-bit labels, they are
+    loaded all ``[R_PAD]`` at once first (R_PAD: R's next power of two), so that the gathers, which wait for
+    the channels, overlap the codes' loads instead of waiting channel by channel, and each channel's label is
+    then taken from them by a reduction over R_PAD lanes; wider labels (a word a channel or two, the reductions
+    a larger share) gather each channel's where it is used."""
     inside = (cols >= start) & (cols < end)
     # the codes' loads do not wait for the mask's: a column is read if it is inside [start, end), and the
     # mask applies to its key
     selectable = inside
     if HAS_MASK:
         selectable = inside & (tl.load(mask_ptr + i * s_mb + cols, mask=inside, other=0) != 0)
+    LABELS_FIRST: tl.constexpr = FROM_QUERY and BITS == 4
+    lanes = tl.arange(0, R_PAD)
+    channels_row = channels_ptr + head * s_chh
+    if PER_ROW_CHANNELS:
+        channels_row += row * s_chp
+    query_row = query_ptr + row * s_qb + (head * GROUP) * s_qh
+    if LABELS_FIRST:
+        channel = tl.load(channels_row + lanes, mask=lanes < R, other=0).to(tl.int64)
+        labels = tl.load(query_row + channel, mask=lanes < R, other=0.0).to(tl.float32)
+        for g in tl.static_range(1, GROUP):
+            labels += tl.load(query_row + g * s_qh + channel, mask=lanes < R, other=0.0).to(tl.float32)
     if LOAD_BYTES == 4:
         words = (codes_ptr + row * s_cb + head * s_ch).to(tl.pointer_type(tl.int32))
     elif LOAD_BYTES == 2:
         words = (codes_ptr + row * s_cb + head * s_ch).to(tl.pointer_type(tl.int16))
     else:
         words = (codes_ptr + row * s_cb + head * s_ch).to(tl.pointer_type(tl.uint8))
-    channels_row = channels_ptr + head * s_chh
-    if PER_ROW_CHANNELS:
-        channels_row += row * s_chp
-    query_row = query_ptr + row * s_qb + (head * GROUP) * s_qh
     PER_WORD: tl.constexpr = LOAD_BYTES * 8 // BITS
     acc = tl.zeros(cols.shape, tl.float32)
     q_sum = tl.zeros((), tl.float32)
     for w in tl.static_range(R // PER_WORD):
         word = tl.load(words + cols * s_cn + w * s_cw, mask=inside, other=0).to(tl.int32)
         for j in tl.static_range(PER_WORD):
-            # the channel's query label: read, or the sum (in order) over the GROUP query heads of the
-            # decode query's heavy channel
-            if FROM_QUERY:
+            # the channel's query label
+            if LABELS_FIRST:
+                q = tl.sum(tl.where(lanes == w * PER_WORD + j, labels, 0.0), 0)
+            elif FROM_QUERY:  # the sum (in order) over the GROUP query heads of the decode query's heavy channel
                 channel = tl.load(channels_row + w * PER_WORD + j).to(tl.int64)
                 q = tl.load(query_row + channel).to(tl.float32)
                 for g in tl.static_range(1, GROUP):
@@ -183,8 +198,9 @@ def _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS: tl.constexpr, ROWS_INDEXED:
 def _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr,
                   mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb,
                   s_mb, HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr,
-                  BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr,
-                  FROM_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK_: tl.constexpr):
+                  R_PAD: tl.constexpr, BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr,
+                  PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  HAS_MASK: tl.constexpr, CHUNK_: tl.constexpr):
     """Row-head `pid`'s chunk `chunk`: its columns ``[CHUNK_]`` and their keys (`_chunk_keys`); a chunk
     outside the row's window loads nothing (every column masked) and has no key."""
     i, row, head = _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS, ROWS_INDEXED, HEADS_INDEXED)
@@ -193,7 +209,7 @@ def _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_pt
     key = _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
                       pid, i, row, head, cols, start, end,
                       s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_mb,
-                      R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_MASK)
+                      R, R_PAD, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_MASK)
     return cols, key
 
 
@@ -202,9 +218,9 @@ def _label_topk_sketch(
     ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr, mask_ptr,
     sketch_ptr, done_ptr, list_ptr, out_ptr, n, heavy, list_cap, r0, r1, r2, r3,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb,
-    HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
-    LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
+    HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
+    BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr,
+    FROM_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
     SINGLE: tl.constexpr, CHUNK_: tl.constexpr, LEVELS_: tl.constexpr, SKETCH_: tl.constexpr, TILE: tl.constexpr,
 ):
     """Program (row-head pid, chunk): the chunk's sketch, or with SINGLE (one chunk) the row's columns."""
@@ -212,8 +228,8 @@ def _label_topk_sketch(
     chunk = tl.program_id(1)
     cols, key = _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr,
                               window_ptr, mask_ptr, pid, chunk, n, s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb,
-                              s_sh, s_zb, s_zh, s_hb, s_mb, HEADS, ROWS_INDEXED, HEADS_INDEXED, R, BITS, LOAD_BYTES,
-                              GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_WINDOW, HAS_MASK, CHUNK_)
+                              s_sh, s_zb, s_zh, s_hb, s_mb, HEADS, ROWS_INDEXED, HEADS_INDEXED, R, R_PAD, BITS,
+                              LOAD_BYTES, GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_WINDOW, HAS_MASK, CHUNK_)
     if SINGLE:
         _top_columns(out_ptr + pid.to(tl.int64) * heavy, key, cols, heavy, TILE)
     else:
@@ -278,8 +294,9 @@ def _label_candidates(
     query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, out_ptr,
     best_ptr, n, heavy, candidates, top,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh, s_oa, s_oh,
-    HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
-    LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, HAS_MASK: tl.constexpr,
+    HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
+    BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     C_PAD: tl.constexpr, TILE: tl.constexpr, WALK: tl.constexpr, ASCENDING: tl.constexpr, BY_HEAD: tl.constexpr,
 ):
     """Program (row-head pid): the row-head's candidates' keys (a negative column, one outside the mask or
@@ -296,7 +313,7 @@ def _label_candidates(
     key = _chunk_keys(query_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
                       pid, i, row, head, cols, tl.zeros((), tl.int32), tl.zeros((), tl.int32) + n,
                       s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_mb,
-                      R, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
+                      R, R_PAD, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
     out_row = out_ptr + i * s_oa + entry * s_oh
     if WALK:
         _walk(out_row, best_ptr + pid.to(tl.int64) * top, cols.to(tl.int64), key, key != -2147483648,
@@ -453,9 +470,13 @@ def _code_words(codes: torch.Tensor, bits: int, channels: int) -> tuple[int, int
 
 
 def sketch_levels(heavy: int, chunks: int) -> list[int]:
-    """The LEVELS target ranks of a chunk's sketch: its share of the row's heavy tokens
-    ``ceil(heavy / chunks)``, twice and eight times that, and `heavy` (ascending, capped at heavy)."""
+    """The LEVELS target ranks of a chunk's sketch (ascending, capped at heavy): its share of the row's heavy
+    tokens ``s = ceil(heavy / chunks)``, 2 s, 8 s and `heavy`; with 8 chunks or fewer (8 s would be `heavy`
+    again) s, 1.25 s, 2 s and `heavy`, so that the bound L lies closer to the heavy-th key where the top keys
+    spread over the chunks."""
     share = max(1, -(-heavy // chunks))
+    if 8 * share >= heavy:
+        return [min(share, heavy), min(share + share // 4, heavy), min(2 * share, heavy), heavy]
     return [min(share, heavy), min(2 * share, heavy), min(8 * share, heavy), heavy]
 
 
@@ -558,7 +579,7 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
         query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best,
         codes.shape[2], heavy, width, top, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
         out.stride(1),
-        HEADS=n_heads, R=r, BITS=bits, LOAD_BYTES=load_bytes, GROUP=group, **flags,
+        HEADS=n_heads, R=r, R_PAD=triton.next_power_of_2(r), BITS=bits, LOAD_BYTES=load_bytes, GROUP=group, **flags,
         PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None, C_PAD=pad,
         TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, BY_HEAD=by_head, num_warps=num_warps or warps,
         **options,
@@ -572,13 +593,12 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
                       window: torch.Tensor | None = None, selectable: torch.Tensor | None = None, *,
                       query: torch.Tensor | None = None, channels: torch.Tensor | None = None,
                       chunk: int | None = None, tile: int | None = None, num_warps: int | None = None,
-                      tail_warps: int | None = None) -> torch.Tensor:
+                      tail_warps: int | None = None, max_registers: int | None = None) -> torch.Tensor:
     """Same contract as `label_topk.label_topk` (``[A, H', heavy]`` int64, ascending columns, then
     NO_TOKEN), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors (None: all, in order). Without
-    `query_labels`, the
-    labels are gathered in the kernel from the decode `query` ``[B, Hq, d]`` and the heavy `channels`
-    ``[P, H_sel, r]``. `chunk` (a power of two), `tile`, `num_warps` and `tail_warps` override the
-    launch (tests, benchmark sweeps)."""
+    `query_labels`, the labels are gathered in the kernel from the decode `query` ``[B, Hq, d]`` and the
+    heavy `channels` ``[P, H_sel, r]``. `chunk` (a power of two), `tile`, `num_warps`, `tail_warps` and
+    `max_registers` (a thread's register cap, every launch; 0: none) override the launch (tests, benchmark sweeps)."""
     n = codes.shape[2]
     count, n_heads = query_labels.shape[:2] if query_labels is not None else (query.shape[0], channels.shape[1])
     count = rows.shape[0] if rows is not None else count
@@ -602,15 +622,18 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     row_heads = count * n_heads
     levels = sketch_levels(heavy, chunks)
     common = dict(
-        HEADS=n_heads, R=r, BITS=bits, LOAD_BYTES=load_bytes, GROUP=group, **flags,
+        HEADS=n_heads, R=r, R_PAD=triton.next_power_of_2(r), BITS=bits, LOAD_BYTES=load_bytes, GROUP=group, **flags,
         PER_ROW_CHANNELS=from_query and channels.shape[0] > 1, FROM_QUERY=from_query,
         HAS_WINDOW=has_window, HAS_MASK=has_mask, CHUNK_=size, LEVELS_=LEVELS, SKETCH_=SKETCH, TILE=tile,
     )
     warps = num_warps or max(4, min(16, size // 512))
+    if max_registers is None and bits == 4 and codes.is_cuda and row_heads * chunks > num_sms(device):
+        max_registers = TOPK_REGISTER_CAP
+    options = {"maxnreg": max_registers} if max_registers else {}
     if chunks == 1:
         _label_topk_sketch[(row_heads, 1)](
             labels, query, channels, code_bytes, scale_t, zero_t, rows, heads, window_t, mask_t,
-            out, out, out, out, n, heavy, 0, *levels, *strides, SINGLE=True, num_warps=warps, **common,
+            out, out, out, out, n, heavy, 0, *levels, *strides, SINGLE=True, num_warps=warps, **common, **options,
         )
         return out
     sketch = torch.empty(row_heads, chunks, SKETCH, dtype=torch.int32, device=device)
@@ -621,11 +644,11 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     cand = torch.empty(row_heads, cand_stride, dtype=torch.int64, device=device)
     _label_topk_sketch[(row_heads, chunks)](
         labels, query, channels, code_bytes, scale_t, zero_t, rows, heads, window_t, mask_t,
-        sketch, done, lists, out, n, heavy, chunk_cap, *levels, *strides, SINGLE=False, num_warps=warps, **common,
+        sketch, done, lists, out, n, heavy, chunk_cap, *levels, *strides, SINGLE=False, num_warps=warps, **common, **options,
     )
     _label_topk_select[(row_heads, chunks)](
         sketch, done, lists, cand, out, heavy, chunk_cap, cand_stride,
         CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), LEVELS_=LEVELS, SKETCH_=SKETCH, TILE=tile,
-        LIST_PAD=max(16, triton.next_power_of_2(chunk_cap)), num_warps=tail_warps or warps,
+        LIST_PAD=max(16, triton.next_power_of_2(chunk_cap)), num_warps=tail_warps or warps, **options,
     )
     return out

@@ -253,6 +253,19 @@ def test_triton_heavy_beyond_chunks_and_row():
         assert torch.equal(got, label_topk_torch(labels, codes, scale, zero, 8, heavy)), (heavy, chunk)
 
 
+def test_sketch_levels_by_hand():
+    """A chunk's target ranks: its share s of heavy, then 2 s and 8 s below heavy; where 8 s would reach heavy
+    (8 chunks or fewer), 1.25 s and 2 s instead, so that no level repeats heavy's."""
+    triton_or_skip()
+    from hshare.kernels.label_topk_triton import sketch_levels
+
+    assert sketch_levels(944, 32) == [30, 60, 240, 944]  # 131,072 columns in chunks of 4,096
+    assert sketch_levels(944, 8) == [118, 147, 236, 944]  # 32,768 columns
+    assert sketch_levels(3776, 8) == [472, 590, 944, 3776]
+    assert sketch_levels(3, 8) == [1, 1, 2, 3]
+    assert sketch_levels(10, 2) == [5, 6, 10, 10]  # capped at heavy
+
+
 # --- candidate-set refinement: the top heavy of given candidate columns ----------------------------
 
 
