@@ -88,8 +88,8 @@ def _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr,
     ``[P, H_sel, r]`` (summed, in order, over the GROUP query heads). Gathered for 4-bit labels, they are
     loaded all ``[R_PAD]`` at once first (R_PAD: R's next power of two), so that the gathers, which wait for
     the channels, overlap the codes' loads instead of waiting channel by channel, and each channel's label is
-    then taken from them by a reduction over R_PAD lanes; wider labels (a word a channel or two, the reductions
-    a larger share) gather each channel's where it is used."""
+    then taken from them by a reduction over R_PAD lanes; 8- and 16-bit labels (fewer channels a word: the
+    reductions a larger share of the scoring) gather each channel's where it is used."""
     inside = (cols >= start) & (cols < end)
     # the codes' loads do not wait for the mask's: a column is read if it is inside [start, end), and the
     # mask applies to its key
