@@ -53,7 +53,7 @@ import triton.language as tl
 from .key_search_triton import (SENTINEL, _exact_threshold, _fill_empty, _first_value, _key_value, _pivot, _probit,
                                 _score_key, _top_columns, _write_columns)
 from .gather_attention_triton import num_sms
-from .labels_triton import kernel_label_inputs
+from .labels_triton import _label_scores, kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
 
 CHUNK = 4096  # columns per program (and the longest row done in one launch)
@@ -139,12 +139,7 @@ def _chunk_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr,
             else:  # the code as fp32, exactly, without an int-to-float conversion
                 value = (field | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
             acc += value * q
-    if BITS == 16:
-        score = acc
-    else:
-        scale = tl.load(scale_ptr + row * s_sb + head * s_sh + cols, mask=inside, other=0.0).to(tl.float32)
-        zero = tl.load(zero_ptr + row * s_zb + head * s_zh + cols, mask=inside, other=0.0).to(tl.float32)
-        score = scale * acc + zero * q_sum
+    score = _label_scores(acc, q_sum, scale_ptr, zero_ptr, row, head, cols, inside, s_sb, s_sh, s_zb, s_zh, BITS)
     ok = selectable & (tl.abs(score) < float("inf"))  # NaN fails the comparison too
     return tl.where(ok, _score_key(score), -2147483648)
 

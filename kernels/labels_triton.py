@@ -35,6 +35,21 @@ def _labels_at(labels_ptr, query_ptr, channels_ptr, pid, row, head, slots, s_qb,
 
 
 @triton.jit
+def _label_scores(dot, q_sum, scale_ptr, zero_ptr, row, head, columns, ok, s_sb, s_sh, s_zb, s_zh,
+                  BITS: tl.constexpr):
+    """Scores ``[N]`` fp32 of label columns `columns` of (row, head) from their codes' dot with the query labels
+    and the labels' sum: ``scale * dot + zero * q_sum`` (scale and zero read where `ok`), or for 16-bit labels
+    (no scale and zero) the dot."""
+    if BITS == 16:
+        score = dot
+    else:
+        scale = tl.load(scale_ptr + row * s_sb + head * s_sh + columns, mask=ok, other=0.0).to(tl.float32)
+        zero = tl.load(zero_ptr + row * s_zb + head * s_zh + columns, mask=ok, other=0.0).to(tl.float32)
+        score = scale * dot + zero * q_sum
+    return score
+
+
+@triton.jit
 def _score_heads(
     q_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, out_ptr, n,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb,
@@ -66,12 +81,7 @@ def _score_heads(
         codes = tl.load(base + channels[None, :], mask=ok[:, None], other=0).to(tl.float32)
         dot = tl.sum(codes * q[None, :], 1)
         q_sum = tl.sum(q, 0)
-    if BITS == 16:
-        score = dot
-    else:
-        scale = tl.load(scale_ptr + row * s_sb + head * s_sh + tokens, mask=ok, other=0.0).to(tl.float32)
-        zero = tl.load(zero_ptr + row * s_zb + head * s_zh + tokens, mask=ok, other=0.0).to(tl.float32)
-        score = scale * dot + zero * q_sum
+    score = _label_scores(dot, q_sum, scale_ptr, zero_ptr, row, head, tokens, ok, s_sb, s_sh, s_zb, s_zh, BITS)
     tl.store(out_ptr + pid * n + tokens, score, mask=ok)
 
 

@@ -57,6 +57,29 @@ def letter_tokenizer(padding_side: str = "right"):
                                    padding_side=padding_side)
 
 
+WIDE = dict(sink=2, local=4, heavy=400)  # N_c above every context of these tests: a sparse config attends to all
+
+
+def generate_with_logits(model, ids, mask, new_tokens=10, **kwargs):
+    """Greedy `generate` of exactly `new_tokens` tokens: ``(sequences, logits [B, new_tokens, vocab])``."""
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def assert_generates_as_dense(model, ids, mask, preset: str, new_tokens: int = 10, **options):
+    """Patched with `preset` and `options` (a budget covering the context, e.g. `WIDE`), `model` generates the
+    unpatched model's tokens and, up to summation order, its logits."""
+    import hshare
+
+    ref_tokens, ref_logits = generate_with_logits(model, ids, mask, new_tokens)
+    with hshare.patched(model, preset, **options):
+        tokens, logits = generate_with_logits(model, ids, mask, new_tokens)
+    # exact attention, summed in another order where transformers repeats K/V per query head (before 5.23)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+
+
 def left_padded(lengths: list[int], generator: torch.Generator | None = None):
     """Random prompts of the given lengths, left-padded: (input_ids, attention_mask)."""
     width = max(lengths)

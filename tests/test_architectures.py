@@ -16,10 +16,10 @@ import hshare
 from hshare.patches import ADAPTERS, ArchitectureAdapter, UnsupportedModelError, register
 from hshare.selection import NO_TOKEN
 
-from conftest import VOCAB, assert_rows_equal_alone, greedy, left_pad, left_padded, randomize_zeroed_weights
+from conftest import (VOCAB, WIDE, assert_rows_equal_alone, generate_with_logits, greedy, left_pad, left_padded,
+                      randomize_zeroed_weights)
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12, far below the prompts used here
-WIDE = dict(sink=2, local=4, heavy=400)  # N_c above every context here
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 QWEN_WINDOW = dict(use_sliding_window=True, sliding_window=24, max_window_layers=0)  # every layer slides
@@ -59,12 +59,6 @@ def tiny(model_type, dtype=torch.float32, seed=0, windowed=False, **config):
     torch.manual_seed(seed)
     config = {**SHAPE, "num_hidden_layers": layers, **defaults, **(window if windowed else {}), **config}
     return randomize_zeroed_weights(model_class(config_class(**config)).to(dtype).eval())
-
-
-def generate_with_logits(model, ids, mask, new_tokens=10, **kwargs):
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kwargs)
-    return out.sequences, torch.stack(out.logits, 1)
 
 
 def assert_same(got, ref):

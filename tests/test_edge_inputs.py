@@ -10,11 +10,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hshare
 from hshare.config import ConfigError
 
-from conftest import VOCAB, left_pad, left_padded, tiny_llama, tiny_mistral
+from conftest import VOCAB, WIDE, left_pad, left_padded, tiny_llama, tiny_mistral
 from property_support import assert_same_generation, generate
 
 SMALL = dict(sink=1, local=2, heavy=3)  # N_c = 6
-WIDE = dict(sink=2, local=4, heavy=400)  # N_c above every context here
 LAYERS, KV_HEADS = 4, 2  # tiny_llama
 
 

@@ -6,27 +6,17 @@ import torch
 import hshare
 from hshare.selection import NO_TOKEN
 
-from conftest import assert_rows_equal_alone, greedy, left_padded, letter_tokenizer, tiny_llama, tiny_mistral
+from conftest import (WIDE, assert_generates_as_dense, assert_rows_equal_alone, generate_with_logits, greedy,
+                      left_padded, letter_tokenizer, tiny_llama, tiny_mistral)
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12, far below the prompts used here
-WIDE = dict(sink=2, local=4, heavy=400)  # N_c above every context here
-
-
-def generate_with_logits(model, ids, mask, new_tokens=10, **kwargs):
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kwargs)
-    return out.sequences, torch.stack(out.logits, 1)
 
 
 @pytest.mark.parametrize("preset", ["ds", "hshare-1_2-1_2-1_2", "hshare-7_8-3_4-1_2"])
 @pytest.mark.parametrize("lengths", [[37], [37, 20, 29]])
 def test_budget_covering_context_equals_unpatched(llama, preset, lengths):
     ids, mask = left_padded(lengths)
-    ref_tokens, ref_logits = generate_with_logits(llama, ids, mask)
-    with hshare.patched(llama, preset, **WIDE):
-        tokens, logits = generate_with_logits(llama, ids, mask)
-    assert torch.equal(tokens, ref_tokens)
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert_generates_as_dense(llama, ids, mask, preset, **WIDE)
 
 
 @pytest.mark.parametrize("preset,overrides", [

@@ -11,10 +11,9 @@ from hshare import static_decode
 from hshare.config import ConfigError, HShareConfig
 from hshare.loki import LokiKeyCache, principal_components
 
-from conftest import VOCAB, assert_rows_equal_alone, greedy, left_pad, left_padded, tiny_llama
+from conftest import VOCAB, WIDE, assert_rows_equal_alone, greedy, left_pad, left_padded, tiny_llama
 
 SMALL = dict(sink=2, local=4, heavy=8)
-WIDE = dict(sink=2, local=4, heavy=400)
 SHARING = dict(layer_sharing="1/2", head_sharing="1/2", query_sharing="1/2")  # hshare-style ratios
 
 
