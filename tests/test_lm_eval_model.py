@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
