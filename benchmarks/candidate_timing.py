@@ -10,6 +10,7 @@ compiles, agrees and is faster than the twin.
 
     python3 benchmarks/candidate_timing.py                      # B16 x 32 heads x 4k, B4 x 8 x 32k, B1 x 8 x 128k
     python3 benchmarks/candidate_timing.py --widths 1728,7872 --shapes 4x8x32768
+    python3 benchmarks/candidate_timing.py --widths 3776 --shapes 16x32x4096 --maxnreg 128   # a register cap
 
 Candidates are distinct random window columns, ascending (the walk told so); labels as `label_topk_timing.make_step` (8 heavy
 channels at 4 bits by default); each path replayed as a CUDA graph (`graph_time_us`, L2 flushed).
@@ -43,6 +44,8 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--channels", type=int, default=8)
     parser.add_argument("--warps", type=int, default=None, help="num_warps of the Triton kernels (default: theirs)")
+    parser.add_argument("--maxnreg", type=int, default=None,
+                        help="registers a thread at most, both kernels (default: theirs; 0: no cap)")
     args = parser.parse_args()
     device = torch.device("cuda")
     header = ("rows x heads x n", "C", "top-k triton us", "top-k twin us", "walk triton us", "walk twin us", "agree")
@@ -68,7 +71,7 @@ def main() -> None:
                 def topk_triton():
                     return label_topk_triton.candidate_label_topk_triton(
                         query, chans, codes, scale, zero, args.bits, heavy, candidates, all_rows, all_heads,
-                        selectable, num_warps=args.warps)
+                        selectable, num_warps=args.warps, max_registers=args.maxnreg)
 
                 def topk_twin():
                     return candidate_label_topk_torch(query, chans, codes, scale, zero, args.bits, heavy, candidates,
@@ -77,7 +80,7 @@ def main() -> None:
                 def walk_triton():  # the candidates ascending, as a selection's label top-k writes them; and their
                     return label_topk_triton.candidate_label_walk_triton(  # best heavy, as refinement asks
                         query, chans, codes, scale, zero, args.bits, candidates, all_rows, all_heads, selectable,
-                        heavy, ascending=True, num_warps=args.warps)
+                        heavy, ascending=True, num_warps=args.warps, max_registers=args.maxnreg)
 
                 def walk_twin():
                     return candidate_label_walk_torch(query, chans, codes, scale, zero, args.bits, candidates,

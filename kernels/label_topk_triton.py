@@ -510,37 +510,40 @@ def candidate_label_topk_triton(query: torch.Tensor, channels: torch.Tensor, cod
                                 scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int, heavy: int,
                                 candidates: torch.Tensor, rows: torch.Tensor | None, heads: torch.Tensor | None,
                                 selectable: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                                tile: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                                tile: int | None = None, num_warps: int | None = None,
+                                max_registers: int | None = None) -> torch.Tensor:
     """Same contract as `label_topk.candidate_label_topk` (``[A, H', heavy]`` int64, the chosen candidates'
     columns in candidate order, then NO_TOKEN; with `out`, each head's entries of every selection head's
     candidates read and of `out` written), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors (None: all,
     in order): one launch, a program per (row, head) scoring its ``C <= MAX_CANDIDATES`` candidates in
-    registers."""
+    registers. `tile`, `num_warps` and `max_registers` (a thread's register cap; 0: none) override the launch
+    (tests, benchmark sweeps)."""
     return _candidates(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads, selectable,
-                       False, tile, num_warps, out=out)[0]
+                       False, tile, num_warps, out=out, max_registers=max_registers)[0]
 
 
 def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
                                 scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
                                 candidates: torch.Tensor, rows: torch.Tensor | None, heads: torch.Tensor | None,
                                 selectable: torch.Tensor, top: int = 0, *, ascending: bool = False,
-                                num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                num_warps: int | None = None, max_registers: int | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `label_topk.candidate_label_walk` (``[A, H', C]`` int64: the walk's columns ascending, then
     NO_TOKEN; ``[A, H', top]``: the best `top` allowed candidates ascending, then NO_TOKEN), for rows ``[A]`` and heads
     ``[A or 1, H']`` index tensors: one launch, a program per (row, head) scoring its ``C <= MAX_WALK_CANDIDATES``
-    candidates and walking them in registers."""
+    candidates and walking them in registers. `num_warps` and `max_registers` override the launch."""
     if codes.shape[2] >= (1 << COLUMN_BITS) - 1:
         raise ValueError(f"{codes.shape[2]} columns; accepted: fewer than {(1 << COLUMN_BITS) - 1} (the torch twin "
                          "takes more)")
     return _candidates(query, channels, codes, scale, zero, bits, candidates.shape[-1], candidates, rows, heads,
-                       selectable, True, None, num_warps, ascending, top)
+                       selectable, True, None, num_warps, ascending, top, max_registers=max_registers)
 
 
 def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                 zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor, rows: torch.Tensor | None,
                 heads: torch.Tensor | None, selectable: torch.Tensor | None, walk: bool, tile: int | None,
-                num_warps: int | None, ascending: bool = False, top: int = 0, out: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                num_warps: int | None, ascending: bool = False, top: int = 0, out: torch.Tensor | None = None,
+                max_registers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of `_label_candidates`: ``[A, H', heavy]`` int64 (or, in place, the heads' entries of `out`
     ``[A, H_sel, heavy]`` from every selection head's candidates ``[A, H_sel, C]``), and (`walk`) the best `top`
     candidates."""
@@ -566,10 +569,10 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     warps = max(4, min(16, pad // 512))
     if walk and pad >= 2048:  # the walk's searches run faster on 8 warps there (candidate_timing.py --warps)
         warps = max(warps, 8)
-    options = {}
-    if (not walk and pad == 2048 and num_warps is None and codes.is_cuda
+    if (max_registers is None and not walk and pad == 2048 and num_warps is None and codes.is_cuda
             and count * n_heads > TOPK_PROGRAMS_PER_SM * num_sms(codes.device)):
-        options["maxnreg"] = TOPK_REGISTER_CAP  # one more program an SM: a wave fewer
+        max_registers = TOPK_REGISTER_CAP  # one more program an SM: a wave fewer
+    options = {"maxnreg": max_registers} if max_registers and codes.is_cuda else {}
     _label_candidates[(count * n_heads,)](
         query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best,
         codes.shape[2], heavy, width, top, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
@@ -624,7 +627,7 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     warps = num_warps or max(4, min(16, size // 512))
     if max_registers is None and bits == 4 and codes.is_cuda and row_heads * chunks > num_sms(device):
         max_registers = TOPK_REGISTER_CAP
-    options = {"maxnreg": max_registers} if max_registers else {}
+    options = {"maxnreg": max_registers} if max_registers and codes.is_cuda else {}
     if chunks == 1:
         _label_topk_sketch[(row_heads, 1)](
             labels, query, channels, code_bytes, scale_t, zero_t, rows, heads, window_t, mask_t,

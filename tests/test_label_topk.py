@@ -331,9 +331,9 @@ def test_candidate_triton_matches_twin(bits, dtype):
     from hshare.kernels.label_topk_triton import candidate_label_topk_triton
 
     query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(bits, dtype)
-    for heavy, mask in ((12, selectable), (30, None), (64, selectable)):
+    for heavy, mask, cap in ((12, selectable, None), (30, None, 0), (64, selectable, 128)):
         got = candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads,
-                                          mask, tile=16)
+                                          mask, tile=16, max_registers=cap)  # a cap: on CUDA only
         want = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, mask,
                                           rows, heads)
         labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
