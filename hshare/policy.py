@@ -279,10 +279,15 @@ class SelectionPolicy(ABC):
         """Keep / reorder / repeat batch rows (beam search, ``batch_select_indices``)."""
         for buffer, _, _ in self._all_buffers():
             buffer.select_rows(rows)
+        self.map_row_state(lambda name, tensor: tensor.index_select(0, rows.to(tensor.device))
+                           if name in self.row_tensors or tensor.shape[0] > 1 else tensor)
+
+    def map_row_state(self, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        """Replace each row tensor that is set (`row_tensors`, `row_or_shared_tensors`) by ``fn(name, tensor)``."""
         for name in self.row_tensors + self.row_or_shared_tensors:
             tensor = getattr(self, name)
-            if tensor is not None and (name in self.row_tensors or tensor.shape[0] > 1):
-                setattr(self, name, tensor.index_select(0, rows.to(tensor.device)))
+            if tensor is not None:
+                setattr(self, name, fn(name, tensor))
 
     def crop(self, length: int) -> None:
         """Keep the metadata of the first `length` columns (slot buffers: the slots they reach)."""

@@ -20,14 +20,13 @@ there.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from hshare.planner import head_similarity, layer_overlaps
-from hshare.policy import SelectionPolicy, new_policy
+from hshare.policy import new_policy
 from hshare.selection import prefill_middle_windows, select_heavy
 
 if TYPE_CHECKING:
@@ -66,15 +65,6 @@ def unpark(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def _move_row_tensors(policy: SelectionPolicy, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """`move` (`park` or `unpark`) applied to each of the policy's row tensors (`SelectionPolicy.row_tensors`,
-    `row_or_shared_tensors`) that is set."""
-    for name in policy.row_tensors + policy.row_or_shared_tensors:
-        tensor = getattr(policy, name)
-        if tensor is not None:
-            setattr(policy, name, move(tensor))
-
-
 def defer(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
           valid: torch.Tensor) -> None:
     """Inside a prefill forward: make the layer's selection policy at its first prefill (heavy channels
@@ -94,7 +84,7 @@ def defer(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch
     if planner.collects_evidence:
         rows = min(cache.config.planner.rows, query.shape[2])
         evidence = park(layer.policy.score_query(query[:, :, query.shape[2] - rows:]))
-    _move_row_tensors(layer.policy, park)  # the policy's per-row state too (Loki: [B, Hkv, d, r] fp32 a layer)
+    layer.policy.map_row_state(lambda _, tensor: park(tensor))  # the policy's per-row state too (Loki: [B, Hkv, d, r] fp32 a layer)
     # one copy of the validity per forward: every layer sees the same mask (views with one address)
     source = (valid.data_ptr(), valid.shape, valid.stride())
     if planner.prefill_valid is None or planner.prefill_valid[0] != source:
@@ -109,7 +99,7 @@ def complete(cache: HShareCache, planner: StepPlanner, layer_idx: int) -> None:
     if pending is None:
         return
     device = layer.keys.device  # where the parked tensors come back to
-    _move_row_tensors(layer.policy, lambda tensor: unpark(tensor, device))
+    layer.policy.map_row_state(lambda _, tensor: unpark(tensor, device))
     valid = unpark(pending.valid, device)
     keys = layer.keys[:, :, :valid.shape[1]]  # the prefill's columns (a decode step may have added one)
     start = layer.policy.length
