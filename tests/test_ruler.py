@@ -67,11 +67,13 @@ def model_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
 
 @pytest.fixture(scope="module")
 def haystack_text() -> str:
-    """A fresh random English text (6-word sentences of random dictionary words), about 3,000 words."""
+    """A fresh random English text: 3,000 random dictionary words of at most 5 letters in 6-word sentences. lm-eval
+    sizes an essay haystack in steps of 500 words, and at `LENGTH` the first 500 must fit beside the template and
+    the tokens to generate, or a document falls to one word: 500 random words of up to 8 letters sometimes took
+    too many SmolLM2 tokens for that; words of up to 5 letters leave room."""
     import wonderwords
 
-    words = wonderwords.RandomWord().random_words(3000, word_max_length=8, regex="[a-z]+")
-    random.shuffle(words)
+    words = random.choices(wonderwords.RandomWord().filter(word_max_length=5, regex="[a-z]+"), k=3000)
     return " ".join(" ".join(words[i:i + 6]).capitalize() + "." for i in range(0, len(words), 6))
 
 
