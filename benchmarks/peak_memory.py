@@ -6,6 +6,12 @@ the allocation trace is replayed to find the moment of the peak, and the blocks 
 during the recorded call) are summed by their innermost Python frame in hshare, transformers or torch.
 Blocks allocated before the call (weights, anything kept from earlier calls) are the baseline.
 
+The trace records each allocation's requested size; ``torch.cuda.max_memory_allocated`` counts the blocks the
+caching allocator handed out: requests rounded up to 512 bytes, and a large block not split where less than
+1 MiB of its segment would be left over (a segment is a multiple of 2 MiB). `allocator_slack` puts a figure on
+that difference at the trace's peak, from the block sizes of the snapshot taken after the call, and the
+reserved peak (what the allocator took from the device) is printed beside both.
+
 Run: ``python3 benchmarks/peak_memory.py --shape llama2-7b --batch 8 --prompt 1024 --paths static,dense``.
 """
 
@@ -32,10 +38,11 @@ def site(frames: list[dict]) -> str:
     return f"{python[0]['filename'].split('/')[-1]}:{python[0]['line']} {python[0]['name']}" if python else "?"
 
 
-def peak_sites(trace: list[dict], free_action: str = "free_requested") -> tuple[int, Counter]:
-    """Replay alloc / free events: ``(largest net bytes allocated during the trace, bytes by site live then)``.
-    A block is freed at its `free_action` event: ``free_requested`` (the tensor released) or ``free_completed``
-    (the allocator took it back: later for a block used on another stream, and what its statistics count)."""
+def peak_sites(trace: list[dict], free_action: str = "free_requested") -> tuple[int, Counter, dict[int, int]]:
+    """Replay alloc / free events: ``(largest net bytes allocated during the trace, bytes by site live then,
+    {address: requested bytes} of the blocks live then)``. A block is freed at its `free_action` event:
+    ``free_requested`` (the tensor released) or ``free_completed`` (the allocator took it back: later for a
+    block used on another stream, and what its statistics count)."""
     live: dict[int, tuple[int, str]] = {}
     net = best = 0
     best_live: dict[int, tuple[int, str]] = {}
@@ -51,7 +58,30 @@ def peak_sites(trace: list[dict], free_action: str = "free_requested") -> tuple[
     by_site = Counter()
     for size, where in best_live.values():
         by_site[where] += size
-    return best, by_site
+    return best, by_site, {addr: size for addr, (size, _) in best_live.items()}
+
+
+def block_bytes(requested: int) -> int:
+    """The caching allocator's block for a request (its ``round_size``): a multiple of 512 bytes, at least 512."""
+    return max(512, -(-requested // 512) * 512)
+
+
+def allocator_slack(live: dict[int, int], segments: list[dict]) -> tuple[int, int, int]:
+    """What the allocator's statistics count beyond the requested bytes of the blocks `live` at the trace's
+    peak (``{address: requested bytes}``), from the snapshot's `segments` taken after the call:
+    ``(slack of the peak's blocks still allocated then, at their recorded block sizes; their number; slack of
+    the rest, at least the 512-byte rounding of each: freed before the snapshot, their block sizes unknown)``.
+    A block still allocated at the same address with the same requested size is taken to be the same block."""
+    blocks = {b["address"]: b for seg in segments for b in seg["blocks"] if b["state"] == "active_allocated"}
+    known = count = rest = 0
+    for addr, requested in live.items():
+        block = blocks.get(addr)
+        if block is not None and block["requested_size"] == requested:
+            known += block["size"] - requested
+            count += 1
+        else:
+            rest += block_bytes(requested) - requested
+    return known, count, rest
 
 
 def main() -> None:
@@ -90,14 +120,17 @@ def main() -> None:
             torch.cuda.synchronize()
             snapshot = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
-        peak = torch.cuda.max_memory_allocated()
+        peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         trace = snapshot["device_traces"][torch.cuda.current_device()]
-        best, sites = peak_sites(trace)
-        completed, completed_sites = peak_sites(trace, "free_completed")
+        best, sites, live = peak_sites(trace)
+        completed, completed_sites, _ = peak_sites(trace, "free_completed")
+        known, count, rest = allocator_slack(live, snapshot["segments"])
         mib = 2**20
         print(f"\n{path}: peak {peak / mib:.1f} MiB = baseline {baseline / mib:.1f} (before the call) "
               f"+ {(peak - baseline) / mib:.1f}; trace replay: +{best / mib:.1f} MiB at its peak "
-              f"(+{completed / mib:.1f} with frees as completed)")
+              f"(+{completed / mib:.1f} with frees as completed); reserved peak {reserved / mib:.1f} MiB")
+        print(f"  allocator slack of the trace peak's blocks: {known / mib:.2f} MiB over {count} still allocated "
+              f"after the call (block sizes), >= {rest / mib:.2f} MiB over {len(live) - count} freed before it")
         for where, size in sites.most_common(args.top):
             print(f"  {size / mib:10.2f} MiB  {where}")
         if completed != best:  # what the allocator still held at its own peak (frees not yet completed)

@@ -300,7 +300,16 @@ def test_peak_sites_replays_frees_as_requested_or_completed():
              dict(action="free_requested", addr=1, size=10), dict(action="alloc", addr=3, size=7, frames=theirs),
              dict(action="free_completed", addr=1, size=10), dict(action="free_requested", addr=2, size=5),
              dict(action="free_completed", addr=2, size=5)]
-    best, sites = peak_memory.peak_sites(trace)
+    best, sites, live = peak_memory.peak_sites(trace)
     assert best == 15 and sites == {"hshare/cache.py:7 claim": 10, "functional.py:3 linear": 5}
-    best, sites = peak_memory.peak_sites(trace, "free_completed")
+    assert live == {1: 10, 2: 5}
+    best, sites, live = peak_memory.peak_sites(trace, "free_completed")
     assert best == 22 and sites == {"hshare/cache.py:7 claim": 10, "functional.py:3 linear": 12}
+    assert live == {1: 10, 2: 5, 3: 7}
+    # after the call: block 1 still allocated in a 2 MiB segment's unsplit block (its remainder under 1 MiB),
+    # block 2 freed, block 3's address reused by another request; the rest of the peak's blocks: 512-byte rounding
+    segments = [{"blocks": [dict(address=1, size=2 << 20, requested_size=10, state="active_allocated"),
+                            dict(address=3, size=1024, requested_size=1000, state="active_allocated"),
+                            dict(address=2, size=512, requested_size=0, state="inactive")]}]
+    assert peak_memory.allocator_slack(live, segments) == ((2 << 20) - 10, 1, (512 - 5) + (512 - 7))
+    assert [peak_memory.block_bytes(n) for n in (1, 512, 513, 3 << 20)] == [512, 512, 1024, 3 << 20]
