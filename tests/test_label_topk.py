@@ -222,7 +222,7 @@ def test_triton_random_chunked_rows_match_the_twin():
         return options[int(torch.randint(len(options), (), generator=generator))]
 
     for case in range(3):
-        bits, r, batch, sel_heads = pick([4, 8, 16]), pick([2, 4, 8]), pick([1, 2, 3]), pick([1, 2])
+        bits, r, batch, sel_heads = pick([4, 8, 16]), pick([2, 4, 6, 8, 12]), pick([1, 2, 3]), pick([1, 2])
         n, chunk, heavy = pick([300, 700]), pick([16, 32, 64]), pick([1, 7, 40, 150])
         codes, scale, zero = label_cache(batch, sel_heads, n, r, bits, torch.bfloat16, seed=seed + case)
         if pick([False, True]):  # few distinct labels: ties everywhere
@@ -269,11 +269,11 @@ def test_sketch_levels_by_hand():
 # --- candidate-set refinement: the top heavy of given candidate columns ----------------------------
 
 
-def candidate_case(bits, dtype=torch.float32, seed=5):
-    """A label cache, a GQA decode query with per-row channels, chosen rows / heads, candidate lists with
-    repeats of no candidate (NO_TOKEN), a column outside the mask, and a short list."""
+def candidate_case(bits, dtype=torch.float32, seed=5, r=8):
+    """A label cache of `r` channels, a GQA decode query with per-row channels, chosen rows / heads, candidate
+    lists with repeats of no candidate (NO_TOKEN), a column outside the mask, and a short list."""
     generator = torch.Generator().manual_seed(seed)
-    batch, sel_heads, q_heads, n, r, dim = 3, 2, 4, 120, 8, 16
+    batch, sel_heads, q_heads, n, dim = 3, 2, 4, 120, 16
     codes, scale, zero = label_cache(batch, sel_heads, n, r, bits, dtype, seed=seed)
     query = torch.randn(batch, q_heads, dim, generator=generator).to(DEVICE)
     channels = torch.stack([torch.randperm(dim, generator=generator)[:r] for _ in range(batch * sel_heads)])
@@ -325,12 +325,14 @@ def test_candidate_twin_matches_brute_force(bits):
     assert torch.equal(tied[1], candidates[1, :, :6])
 
 
-@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (8, torch.float16), (16, torch.bfloat16)])
-def test_candidate_triton_matches_twin(bits, dtype):
+# r = 6 and 12: channel counts that are no power of two (the gathered query labels padded to R_PAD lanes)
+@pytest.mark.parametrize("bits,dtype,r", [(4, torch.bfloat16, 8), (4, torch.bfloat16, 6), (8, torch.float16, 8),
+                                          (8, torch.float16, 12), (16, torch.bfloat16, 8)])
+def test_candidate_triton_matches_twin(bits, dtype, r):
     triton_or_skip()
     from hshare.kernels.label_topk_triton import candidate_label_topk_triton
 
-    query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(bits, dtype)
+    query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(bits, dtype, r=r)
     for heavy, mask, cap in ((12, selectable, None), (30, None, 0), (64, selectable, 128)):
         got = candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads,
                                           mask, tile=16, max_registers=cap)  # a cap: on CUDA only
