@@ -273,7 +273,7 @@ def candidate_case(bits, dtype=torch.float32, seed=5, r=8):
     """A label cache of `r` channels, a GQA decode query with per-row channels, chosen rows / heads, candidate
     lists with repeats of no candidate (NO_TOKEN), a column outside the mask, and a short list."""
     generator = torch.Generator().manual_seed(seed)
-    batch, sel_heads, q_heads, n, dim = 3, 2, 4, 120, 16
+    batch, sel_heads, q_heads, n, dim = 3, 2, 4, 120, max(16, 2 * r)
     codes, scale, zero = label_cache(batch, sel_heads, n, r, bits, dtype, seed=seed)
     query = torch.randn(batch, q_heads, dim, generator=generator).to(DEVICE)
     channels = torch.stack([torch.randperm(dim, generator=generator)[:r] for _ in range(batch * sel_heads)])
@@ -325,9 +325,10 @@ def test_candidate_twin_matches_brute_force(bits):
     assert torch.equal(tied[1], candidates[1, :, :6])
 
 
-# r = 6 and 12: channel counts that are no power of two (the gathered query labels padded to R_PAD lanes)
-@pytest.mark.parametrize("bits,dtype,r", [(4, torch.bfloat16, 8), (4, torch.bfloat16, 6), (8, torch.float16, 8),
-                                          (8, torch.float16, 12), (16, torch.bfloat16, 8)])
+# r = 6 and 12: channel counts that are no power of two (the gathered query labels padded to R_PAD lanes); 32: a
+# 4-bit label row of four words
+@pytest.mark.parametrize("bits,dtype,r", [(4, torch.bfloat16, 8), (4, torch.bfloat16, 6), (4, torch.bfloat16, 32),
+                                          (8, torch.float16, 8), (8, torch.float16, 12), (16, torch.bfloat16, 8)])
 def test_candidate_triton_matches_twin(bits, dtype, r):
     triton_or_skip()
     from hshare.kernels.label_topk_triton import candidate_label_topk_triton
