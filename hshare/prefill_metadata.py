@@ -84,7 +84,8 @@ def defer(cache: HShareCache, planner: StepPlanner, layer_idx: int, query: torch
     if planner.collects_evidence:
         rows = min(cache.config.planner.rows, query.shape[2])
         evidence = park(layer.policy.score_query(query[:, :, query.shape[2] - rows:]))
-    layer.policy.map_row_state(lambda _, tensor: park(tensor))  # the policy's per-row state too (Loki: [B, Hkv, d, r] fp32 a layer)
+    # the policy's per-row state too (Loki: [B, Hkv, d, r] fp32 a layer)
+    layer.policy.map_row_state(lambda _, tensor: park(tensor))
     # one copy of the validity per forward: every layer sees the same mask (views with one address)
     source = (valid.data_ptr(), valid.shape, valid.stride())
     if planner.prefill_valid is None or planner.prefill_valid[0] != source:

@@ -539,6 +539,12 @@ def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, cod
                        selectable, True, None, num_warps, ascending, top, max_registers=max_registers)
 
 
+def _launch_options(max_registers: int | None, codes: torch.Tensor) -> dict:
+    """A launch's options: a thread's register cap (``maxnreg``) where one is set (0 or None: none), on CUDA only
+    (the interpreter takes no launch options)."""
+    return {"maxnreg": max_registers} if max_registers and codes.is_cuda else {}
+
+
 def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                 zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor, rows: torch.Tensor | None,
                 heads: torch.Tensor | None, selectable: torch.Tensor | None, walk: bool, tile: int | None,
@@ -572,7 +578,7 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     if (max_registers is None and not walk and pad == 2048 and num_warps is None and codes.is_cuda
             and count * n_heads > TOPK_PROGRAMS_PER_SM * num_sms(codes.device)):
         max_registers = TOPK_REGISTER_CAP  # one more program an SM: a wave fewer
-    options = {"maxnreg": max_registers} if max_registers and codes.is_cuda else {}
+    options = _launch_options(max_registers, codes)
     _label_candidates[(count * n_heads,)](
         query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best,
         codes.shape[2], heavy, width, top, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
@@ -627,7 +633,7 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     warps = num_warps or max(4, min(16, size // 512))
     if max_registers is None and bits == 4 and codes.is_cuda and row_heads * chunks > num_sms(device):
         max_registers = TOPK_REGISTER_CAP
-    options = {"maxnreg": max_registers} if max_registers and codes.is_cuda else {}
+    options = _launch_options(max_registers, codes)
     if chunks == 1:
         _label_topk_sketch[(row_heads, 1)](
             labels, query, channels, code_bytes, scale_t, zero_t, rows, heads, window_t, mask_t,
