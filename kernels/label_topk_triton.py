@@ -61,13 +61,14 @@ MAX_CHUNKS = 64  # longer rows take longer chunks (the bound L compares every sk
 TAIL_TILE = 4096  # candidates per tile of the last program's search and writes
 MAX_CANDIDATES = 16384  # candidate columns per (row, head) that `candidate_label_topk_triton` holds in registers
 MAX_WALK_CANDIDATES = 8192  # the same for `candidate_label_walk_triton` (a register sort; wider ones: the twin)
-# The candidate top-k at 2,048 candidates a program (4 warps) takes more registers a thread than the 128 that
-# would let 4 programs share an SM, so 3 do. A grid of more than 3 programs an SM is capped at 128 registers (a
-# few spills), so that 4 share an SM and the grid takes a wave fewer. The label top-k's launches over 4-bit labels
-# (8 warps from chunks of 4,096, about 160-180 registers a thread: one program an SM) are capped at 128 too where
-# their grid has more programs than SMs: two programs share an SM and hide each other's latency. Over 16-bit
-# labels the cap spills (slower), so they are not.
-TOPK_PROGRAMS_PER_SM = 3
+# Registers: a launch whose grid has more programs than its SMs hold at once is capped at 128 registers a
+# thread (a few spills), so that one more program shares an SM: a wave fewer, or latency hidden. Programs an SM
+# holds uncapped, over 4-bit labels:
+# - the candidate top-k at 2,048 candidate slots (4 warps): 3 (more registers a thread than the 128 of 4);
+# - the candidate top-k and walk at 4,096 slots (8 warps): 1; capped, 2;
+# - the label top-k (8 warps from chunks of 4,096, about 160-180 registers a thread): 1.
+# Elsewhere (the walk at 2,048, wider tiles) the cap did not pay. Over 16-bit labels it spills (slower): none.
+CANDIDATE_PROGRAMS_PER_SM = {(False, 2048): 3, (False, 4096): 1, (True, 4096): 1}  # (walk, slots): uncapped
 TOPK_REGISTER_CAP = 128
 LEVELS = 4  # target ranks per chunk sketch
 SKETCH = 16  # int32 fields per (row-head, chunk) sketch: LEVELS keys, LEVELS counts, count, max, min, list length
@@ -545,6 +546,14 @@ def _launch_options(max_registers: int | None, codes: torch.Tensor) -> dict:
     return {"maxnreg": max_registers} if max_registers and codes.is_cuda else {}
 
 
+def candidate_register_cap(walk: bool, slots: int, bits: int, programs: int, sms: int) -> int | None:
+    """The register cap of a candidate launch of `programs` programs of `slots` candidate slots on `sms` SMs
+    at its default warps: `TOPK_REGISTER_CAP` where the grid exceeds what the SMs hold uncapped
+    (`CANDIDATE_PROGRAMS_PER_SM`), else None."""
+    per_sm = CANDIDATE_PROGRAMS_PER_SM.get((walk, slots))
+    return TOPK_REGISTER_CAP if bits == 4 and per_sm is not None and programs > per_sm * sms else None
+
+
 def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                 zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor, rows: torch.Tensor | None,
                 heads: torch.Tensor | None, selectable: torch.Tensor | None, walk: bool, tile: int | None,
@@ -575,9 +584,8 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     warps = max(4, min(16, pad // 512))
     if walk and pad >= 2048:  # the walk's searches run faster on 8 warps there (candidate_timing.py --warps)
         warps = max(warps, 8)
-    if (max_registers is None and not walk and pad == 2048 and num_warps is None and codes.is_cuda
-            and count * n_heads > TOPK_PROGRAMS_PER_SM * num_sms(codes.device)):
-        max_registers = TOPK_REGISTER_CAP  # one more program an SM: a wave fewer
+    if max_registers is None and num_warps is None and codes.is_cuda:
+        max_registers = candidate_register_cap(walk, pad, bits, count * n_heads, num_sms(codes.device))
     options = _launch_options(max_registers, codes)
     _label_candidates[(count * n_heads,)](
         query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best,

@@ -266,6 +266,26 @@ def test_sketch_levels_by_hand():
     assert sketch_levels(10, 2) == [5, 6, 10, 10]  # capped at heavy
 
 
+def test_candidate_register_cap_by_hand():
+    """The candidate kernels' register cap on 132 SMs (an H100): only where the grid exceeds the programs an SM
+    holds uncapped (top-k at 2,048 slots: 3; top-k and walk at 4,096: 1), over 4-bit labels."""
+    triton_or_skip()
+    from hshare.kernels.label_topk_triton import TOPK_REGISTER_CAP, candidate_register_cap
+
+    cap = TOPK_REGISTER_CAP
+    assert candidate_register_cap(False, 2048, 4, 512, 132) == cap  # B16 x 32 heads
+    assert candidate_register_cap(False, 2048, 4, 396, 132) is None  # 3 an SM: one wave already
+    assert candidate_register_cap(False, 2048, 4, 397, 132) == cap
+    assert candidate_register_cap(False, 4096, 4, 256, 132) == cap  # B16 x 16 heads
+    assert candidate_register_cap(True, 4096, 4, 133, 132) == cap
+    assert candidate_register_cap(True, 4096, 4, 32, 132) is None  # B4 x 8 heads: the cap only spills
+    assert candidate_register_cap(False, 4096, 4, 132, 132) is None
+    assert candidate_register_cap(True, 2048, 4, 512, 132) is None  # the walk at 2,048: no gain measured
+    assert candidate_register_cap(False, 8192, 4, 4096, 132) is None
+    assert candidate_register_cap(False, 2048, 16, 512, 132) is None  # 16-bit labels spill
+    assert candidate_register_cap(False, 2048, 8, 512, 132) is None
+
+
 # --- candidate-set refinement: the top heavy of given candidate columns ----------------------------
 
 
