@@ -310,6 +310,8 @@ class PrefixConfig:
     levels: int = 2
 
     def __post_init__(self) -> None:
+        if isinstance(self.mode, bool):  # YAML (a preset, an override's value) reads unquoted on / off as booleans
+            object.__setattr__(self, "mode", "on" if self.mode else "off")
         check_choice("prefix.mode", self.mode, PREFIX_MODES)
         check_int("prefix.min_tokens", self.min_tokens, 1)
         check_int("prefix.min_batch", self.min_batch, 1)
@@ -598,7 +600,7 @@ class HShareConfig:
                 options.update({f"{key}.{name}": v for name, v in value.items()})
             elif key == "budget" and isinstance(value, int) and not isinstance(value, bool):
                 kwargs[key] = value  # N_c, split as `BudgetConfig.split`
-            elif key in SECTIONS and not (isinstance(value, str) and key in OPTION_NAMES):
+            elif key in SECTIONS and not (isinstance(value, (str, bool)) and key in OPTION_NAMES):  # YAML's off: False
                 raise ConfigError(f"HShareConfig.{key} = {value!r} is invalid; accepted: a "
                                   f"{SECTIONS[key].__name__} or a mapping of its fields")
             else:  # a section's name given a value (policy="quest", prefix="off"): its main option, dotted

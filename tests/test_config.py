@@ -165,6 +165,17 @@ def test_flat_dotted_and_sectioned_spellings_build_the_same_config():
     assert flat.budget.total == 64 and flat.sharing.query_group == 4 and flat.policy.page_size == 8
 
 
+def test_prefix_mode_on_and_off_as_yaml_reads_them():
+    """YAML 1.1 reads unquoted on / off as booleans: a preset's ``mode: off`` and an override's ``prefix=off``
+    mean the modes, not an error."""
+    for text in ("ds@512+prefix.mode=off", "ds@512+prefix=off"):
+        assert resolve_config(text).prefix.mode == "off"
+    assert resolve_config("ds@512+prefix.mode=on").prefix.mode == "on"
+    assert HShareConfig.from_dict(yaml.safe_load("prefix: {mode: off}")).prefix.mode == "off"
+    with pytest.raises(ConfigError, match="prefix.mode = 'sometimes' is invalid; accepted: 'auto', 'on', 'off'"):
+        resolve_config("ds@512+prefix.mode=sometimes")
+
+
 def test_replace_merges_a_mapping_into_its_section_and_keeps_the_rest():
     base = resolve_config("hshare-1_2-1_2-1_2@512")
     changed = base.replace(sharing={"layer": "3/4"}, budget=1024)
