@@ -67,7 +67,7 @@ MAX_WALK_CANDIDATES = 8192  # the same for `candidate_label_walk_triton` (a regi
 # - the candidate top-k at 2,048 candidate slots (4 warps): 3 (more registers a thread than the 128 of 4);
 # - the candidate top-k and walk at 4,096 slots (8 warps): 1; capped, 2;
 # - the label top-k (8 warps from chunks of 4,096, about 160-180 registers a thread): 1.
-# Elsewhere (the walk at 2,048, wider tiles) the cap did not pay. Over 16-bit labels it spills (slower): none.
+# The walk at 2,048 gained nothing capped; wider tiles are not measured. Over 16-bit labels the cap spills: none.
 CANDIDATE_PROGRAMS_PER_SM = {(False, 2048): 3, (False, 4096): 1, (True, 4096): 1}  # (walk, slots): uncapped
 TOPK_REGISTER_CAP = 128
 LEVELS = 4  # target ranks per chunk sketch
