@@ -77,7 +77,7 @@
 #   ruler      `hshare sweep` over RULER's 11 code-built tasks (niah haystack: the carried War and Peace) at 4k
 #              (dense, ds, the three paper presets, streaming, quest at N_c 512) and 8k (the same, and the
 #              sparse ones at N_c 2048), LIMIT documents per task (default 16), DTYPE (default bfloat16),
-#              RULER_BATCH rows a generate (default 32); RULER_SWEEP names another sweep for both lengths
+#              RULER_BATCH rows a generate (default 32, 16 on a GPU under 100 GB); RULER_SWEEP names another sweep for both lengths
 #              (e.g. refine); six sweeps run at once on the one GPU (each length's
 #              tasks in three groups, so that the documents are built in parallel, once per sweep), each
 #              stopped after RULER_SECONDS (default 420); then $OUT/ruler-4k.md and ruler-8k.md: per task,
@@ -455,7 +455,11 @@ eval_part() {
       sweep ablation --configs ablation --tasks longbench_multi_news --limit "${LIMIT:-64}" --batch-size 64 \
         --dtype float32 | tail -30 ;;
     ruler)
-      LIMIT=${LIMIT:-16} DTYPE=${DTYPE:-bfloat16} RULER_SECONDS=${RULER_SECONDS:-420} RULER_BATCH=${RULER_BATCH:-32}
+      # six sweeps share the GPU: 32 rows a generate fit an H200's 141 GB, not an H100's 80 (a group ran out)
+      local memory
+      memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+      LIMIT=${LIMIT:-16} DTYPE=${DTYPE:-bfloat16} RULER_SECONDS=${RULER_SECONDS:-420}
+      RULER_BATCH=${RULER_BATCH:-$(( ${memory:-0} > 100000 ? 32 : 16 ))}
       sweep_file /tmp/ruler-4k.yaml "${RULER_512[@]}"
       sweep_file /tmp/ruler-8k.yaml "${RULER_512[@]}" "${RULER_2048[@]}"
       local i
