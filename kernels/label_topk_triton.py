@@ -69,6 +69,7 @@ MAX_WALK_CANDIDATES = 8192  # the same for `candidate_label_walk_triton` (a regi
 # - the label top-k (8 warps from chunks of 4,096, about 160-180 registers a thread): 1.
 # The walk at 2,048 gained nothing capped; wider tiles are not measured. Over 16-bit labels the cap spills: none.
 CANDIDATE_PROGRAMS_PER_SM = {(False, 2048): 3, (False, 4096): 1, (True, 4096): 1}  # (walk, slots): uncapped
+LABEL_TOPK_PROGRAMS_PER_SM = 1
 TOPK_REGISTER_CAP = 128
 LEVELS = 4  # target ranks per chunk sketch
 SKETCH = 16  # int32 fields per (row-head, chunk) sketch: LEVELS keys, LEVELS counts, count, max, min, list length
@@ -546,12 +547,16 @@ def _launch_options(max_registers: int | None, codes: torch.Tensor) -> dict:
     return {"maxnreg": max_registers} if max_registers and codes.is_cuda else {}
 
 
+def register_cap(per_sm: int | None, bits: int, programs: int, sms: int) -> int | None:
+    """`TOPK_REGISTER_CAP` for a launch of `programs` programs over `bits`-bit labels where they exceed what
+    `sms` SMs hold uncapped (`per_sm` programs an SM; None: the cap was not measured to pay), else None."""
+    return TOPK_REGISTER_CAP if bits == 4 and per_sm is not None and programs > per_sm * sms else None
+
+
 def candidate_register_cap(walk: bool, slots: int, bits: int, programs: int, sms: int) -> int | None:
     """The register cap of a candidate launch of `programs` programs of `slots` candidate slots on `sms` SMs
-    at its default warps: `TOPK_REGISTER_CAP` where the grid exceeds what the SMs hold uncapped
-    (`CANDIDATE_PROGRAMS_PER_SM`), else None."""
-    per_sm = CANDIDATE_PROGRAMS_PER_SM.get((walk, slots))
-    return TOPK_REGISTER_CAP if bits == 4 and per_sm is not None and programs > per_sm * sms else None
+    at its default warps (`register_cap` with `CANDIDATE_PROGRAMS_PER_SM`)."""
+    return register_cap(CANDIDATE_PROGRAMS_PER_SM.get((walk, slots)), bits, programs, sms)
 
 
 def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
@@ -639,8 +644,8 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
         HAS_WINDOW=has_window, HAS_MASK=has_mask, CHUNK_=size, LEVELS_=LEVELS, SKETCH_=SKETCH, TILE=tile,
     )
     warps = num_warps or max(4, min(16, size // 512))
-    if max_registers is None and bits == 4 and codes.is_cuda and row_heads * chunks > num_sms(device):
-        max_registers = TOPK_REGISTER_CAP
+    if max_registers is None and codes.is_cuda:
+        max_registers = register_cap(LABEL_TOPK_PROGRAMS_PER_SM, bits, row_heads * chunks, num_sms(device))
     options = _launch_options(max_registers, codes)
     if chunks == 1:
         _label_topk_sketch[(row_heads, 1)](
