@@ -3,7 +3,8 @@
 For each path: profile a ``generate`` of N + 3 new tokens and one of 3 (`BASE_TOKENS`: the prefill and
 each kind of decode step's first, captured or eager, lie in both), subtract their per-kernel CUDA totals
 and divide by N: the kernels of one replayed decode step. Patched presets run
-eagerly (``cuda_graphs=False``) unless ``--graphs`` (the profiler sees the kernels inside graph replays too). Prints the step's GPU milliseconds and its heaviest kernels, and writes JSON.
+eagerly (``cuda_graphs=False``) unless ``--graphs`` (the profiler sees the kernels inside graph replays too). Prints the step's GPU milliseconds, its heaviest kernels with their launches a step,
+and with ``--sequence`` the last step's kernels in the order they ran; writes JSON.
 
 ``--prefill``: the prefill instead (a ``generate`` of 1 new token), with the GPU time inside each of
 hshare's prefill functions (`PREFILL_RANGES`: labels, dynamic channels, the planner's evidence),
@@ -62,9 +63,9 @@ def prefill_ranges():
             setattr(owner, name, original)
 
 
-def kernel_totals(model, ids, mask, tokens: int, **kwargs) -> Counter:
-    """CUDA microseconds per kernel name (and per ``hshare:`` range) over one ``generate`` of `tokens` new
-    tokens."""
+def kernel_totals(model, ids, mask, tokens: int, **kwargs) -> tuple[Counter, Counter, list]:
+    """CUDA microseconds per kernel name (and per ``hshare:`` range), launches per kernel name, and the
+    kernels in the order they ran as ``(name, us)``, over one ``generate`` of `tokens` new tokens."""
     cuda = ids.is_cuda
     activity, kind = (ProfilerActivity.CUDA, torch.autograd.DeviceType.CUDA) if cuda else \
         (ProfilerActivity.CPU, torch.autograd.DeviceType.CPU)  # CPU: a smoke run of the script itself
@@ -73,13 +74,15 @@ def kernel_totals(model, ids, mask, tokens: int, **kwargs) -> Counter:
                        pad_token_id=0, **kwargs)
         if cuda:
             torch.cuda.synchronize()
-    totals = Counter()
+    totals, launches = Counter(), Counter()
     for event in prof.key_averages():
         if event.key.startswith("hshare:"):  # a range: the device time of the kernels inside it
             totals[event.key] += event.device_time_total if cuda else event.cpu_time_total
         elif event.device_type == kind:
             totals[event.key] += event.device_time_total if cuda else event.self_cpu_time_total
-    return totals
+            launches[event.key] += event.count
+    ordered = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
+    return totals, launches, [(e.name, e.device_time if cuda else e.self_cpu_time_total) for e in ordered]
 
 
 def prefill_kernels(model, path: str, ids, mask) -> Counter:
@@ -88,7 +91,7 @@ def prefill_kernels(model, path: str, ids, mask) -> Counter:
     with hshare.patched(model, path, prefix="off") if path != "unpatched" else contextlib.nullcontext():
         kernel_totals(model, ids, mask, 1, **cache())  # warm-up
         with prefill_ranges():
-            return kernel_totals(model, ids, mask, 1, **cache())
+            return kernel_totals(model, ids, mask, 1, **cache())[0]
 
 
 # new tokens of the generate subtracted: the prefill (a sparse preset's planner evidence is made only when
@@ -97,7 +100,10 @@ def prefill_kernels(model, path: str, ids, mask) -> Counter:
 BASE_TOKENS = 3
 
 
-def step_kernels(model, path: str, ids, mask, steps: int, graphs: bool) -> Counter:
+def step_kernels(model, path: str, ids, mask, steps: int, graphs: bool) -> tuple[Counter, Counter, list]:
+    """Per replayed decode step: GPU us per kernel name, launches per kernel name, and the last step's
+    kernels in order (the last ``launches`` kernels of the longer generate, with its bookkeeping after
+    the step)."""
     def run(tokens):
         if path == "unpatched":
             return kernel_totals(model, ids, mask, tokens)
@@ -108,11 +114,14 @@ def step_kernels(model, path: str, ids, mask, steps: int, graphs: bool) -> Count
         context.__enter__()
     try:
         run(4)  # warm-up: Triton compilation, autotuning
-        long, short = run(steps + BASE_TOKENS), run(BASE_TOKENS)
+        (long, long_launches, ordered), (short, short_launches, _) = run(steps + BASE_TOKENS), run(BASE_TOKENS)
     finally:
         if context:
             context.__exit__(None, None, None)
-    return Counter({k: (long[k] - short.get(k, 0.0)) / steps for k in long if long[k] - short.get(k, 0.0) > 0})
+    per_step = Counter({k: (long[k] - short.get(k, 0.0)) / steps for k in long if long[k] - short.get(k, 0.0) > 0})
+    launches = Counter({k: (long_launches[k] - short_launches.get(k, 0)) / steps for k in long_launches
+                        if long_launches[k] > short_launches.get(k, 0)})
+    return per_step, launches, ordered[len(ordered) - round(sum(launches.values())):]
 
 
 def main() -> None:
@@ -127,6 +136,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--graphs", action="store_true", help="patched paths replay CUDA graphs (default: eager)")
     parser.add_argument("--prefill", action="store_true", help="profile the prefill (1 new token) instead")
+    parser.add_argument("--sequence", action="store_true",
+                        help="also print the last decode step's kernels in the order they ran")
     args = parser.parse_args()
     model = build_model(args.shape, args.layers, args.device, torch.bfloat16, args.prompt + args.steps + 16)
     generator = torch.Generator().manual_seed(1)
@@ -135,19 +146,26 @@ def main() -> None:
     results = {}
     what = "prefill" if args.prefill else "decode step"
     for path in args.paths.split(","):
+        launches, sequence = Counter(), []
         if args.prefill:
             kernels = prefill_kernels(model, path, ids, mask)
         else:
-            kernels = step_kernels(model, path, ids, mask, args.steps, args.graphs)
+            kernels, launches, sequence = step_kernels(model, path, ids, mask, args.steps, args.graphs)
         ranges = {name: us for name, us in kernels.items() if name.startswith("hshare:")}
         kernels = Counter({name: us for name, us in kernels.items() if name not in ranges})
         total = sum(kernels.values())
-        results[path] = {"ms": total / 1e3, "kernels_us": dict(kernels.most_common()), "ranges_us": ranges}
-        print(f"\n{path}: {total / 1e3:.2f} ms of GPU work per {what} ({args.layers} layers)")
+        results[path] = {"ms": total / 1e3, "kernels_us": dict(kernels.most_common()), "ranges_us": ranges,
+                         "launches": dict(launches.most_common()), "sequence": sequence}
+        print(f"\n{path}: {total / 1e3:.2f} ms of GPU work per {what} ({args.layers} layers), "
+              f"{sum(launches.values()):.1f} launches")
         for name, us in sorted(ranges.items(), key=lambda item: -item[1]):
             print(f"  {us:9.1f} us  {us / total:6.1%}  inside {name}")
         for name, us in kernels.most_common(args.top):
-            print(f"  {us:9.1f} us  {us / total:6.1%}  {name[:110]}")
+            print(f"  {us:9.1f} us  {us / total:6.1%}  x{launches.get(name, 0):5.1f}  {name[:100]}")
+        if args.sequence:
+            print("  the last step's kernels in order:")
+            for name, us in sequence:
+                print(f"    {us:8.1f} us  {name[:100]}")
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     suffix = "_prefill" if args.prefill else "_graphs" if args.graphs else ""

@@ -31,6 +31,7 @@ from hshare.buffer import GrowingBuffer
 from hshare.config import HShareConfig
 from hshare.counters import DecodeStats
 from hshare.heads import HeadShard
+from hshare.kernels import write_kv_column
 from hshare.patches import sliding_window
 from hshare.policy import SelectionPolicy, policy_class
 from hshare.prefix_store import PrefixStore
@@ -77,9 +78,8 @@ class HShareLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.column is not None:  # static shapes: the decode token at the step's column
-            self.key_buffer.write(self.column, key_states)
-            self.value_buffer.write(self.column, value_states)
+        if self.column is not None:  # static shapes: the decode token at the step's column, K and V in one launch
+            write_kv_column(self.key_buffer.storage, self.value_buffer.storage, self.column, key_states, value_states)
             return self.keys, self.values
         self.keys = self.key_buffer.append(key_states)
         self.values = self.value_buffer.append(value_states)

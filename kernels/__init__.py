@@ -5,6 +5,7 @@ the exact LSE merge, and the prompt's heavy-channel statistic. Each is a plain-P
 
 from __future__ import annotations
 
+from .cache_write import write_kv_column, write_kv_column_torch
 from .channel_statistic import channel_statistic, channel_statistic_torch
 from .critical_indices import NO_TOKEN, critical_indices, critical_indices_torch
 from .heavy_topk import select_heavy, select_heavy_torch
@@ -26,6 +27,8 @@ from .successors import with_successors, with_successors_torch
 __all__ = [
     "use_triton",
     "channel_statistic",
+    "write_kv_column",
+    "write_kv_column_torch",
     "channel_statistic_torch",
     "NO_TOKEN",
     "PrefixKV",

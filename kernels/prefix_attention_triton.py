@@ -22,6 +22,10 @@ import triton.language as tl
 from .gather_attention_triton import launch_options, num_sms, upcast_dot
 from .online_softmax_triton import finish_softmax, online_softmax_tile, start_softmax
 
+# which rows a group holds (the programs' MEMBERS): rows 0..width-1 (one group, no table), a members
+# table ``[G, width]`` (-1: no row), or row g alone (split decode: a row's own keys are its group's level)
+MEMBERS_ALL, MEMBERS_TABLE, MEMBERS_ROW_OF_GROUP = 0, 1, 2
+
 
 @triton.jit
 def prefix_split_program(
@@ -29,7 +33,7 @@ def prefix_split_program(
     scale_log2, width, length, tiles_per_split, split_offset, total_splits,
     s_qb, s_qh, s_kg, s_kh, s_kn, s_vg, s_vh, s_vn, s_mg, s_valid,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PER_KV: tl.constexpr, DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MEMBERS: tl.constexpr, HAS_VALID: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MEMBERS: tl.constexpr, HAS_VALID: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     """One program: folded query rows ``tile_m * BLOCK_M + [0, BLOCK_M)`` of group x KV head
@@ -40,10 +44,12 @@ def prefix_split_program(
     member = folded // PER_KV
     head = kv * PER_KV + folded % PER_KV
     row_ok = member < width
-    if HAS_MEMBERS:
+    if MEMBERS == 1:  # MEMBERS_TABLE
         row = tl.load(members_ptr + group * s_mg + member, mask=row_ok, other=-1).to(tl.int64)
         row_ok = row_ok & (row >= 0)
         row = tl.where(row_ok, row, 0)
+    elif MEMBERS == 2:  # MEMBERS_ROW_OF_GROUP (width 1)
+        row = group + member.to(tl.int64)
     else:
         row = member.to(tl.int64)
     dims = tl.arange(0, DIM)
@@ -72,14 +78,14 @@ def prefix_attention_split(
     scale_log2, width, length, tiles_per_split, num_splits,
     s_qb, s_qh, s_kg, s_kh, s_kn, s_vg, s_vh, s_vn, s_mg, s_valid,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PER_KV: tl.constexpr, DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MEMBERS: tl.constexpr, HAS_VALID: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MEMBERS: tl.constexpr, HAS_VALID: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     prefix_split_program(q_ptr, k_ptr, v_ptr, members_ptr, valid_ptr, part_out_ptr, part_lse_ptr,
                          tl.program_id(0), tl.program_id(1), tl.program_id(2),
                          scale_log2, width, length, tiles_per_split, 0, num_splits,
                          s_qb, s_qh, s_kg, s_kh, s_kn, s_vg, s_vh, s_vn, s_mg, s_valid,
-                         Q_HEADS, KV_HEADS, PER_KV, DIM, BLOCK_M, BLOCK_N, HAS_MEMBERS, HAS_VALID, UPCAST_DOT)
+                         Q_HEADS, KV_HEADS, PER_KV, DIM, BLOCK_M, BLOCK_N, MEMBERS, HAS_VALID, UPCAST_DOT)
 
 
 @dataclass
@@ -102,12 +108,13 @@ class PrefixLaunch:
 def plan_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                 members: torch.Tensor | None = None, key_valid: torch.Tensor | None = None,
                 block_m: int | None = None, block_n: int | None = None, splits: int | None = None,
-                waves: int = 2) -> PrefixLaunch:
+                waves: int = 2, row_groups: bool = False) -> PrefixLaunch:
     """Check the inputs and choose tiles and the key split (defaults from `benchmarks/tune_kernels.py`
     on the H100: 16-row query tiles for <= 16 folded rows (or fp32 with d = 256: larger ones do not
     fit shared memory), else 64-row tiles of 32 keys, or 64 keys for prefixes of 4096 tokens and more
     in 16-bit with d <= 128, 3 stages; the split count fills `waves` waves of the SMs,
-    FlashDecoding: two alone, one beside an own part that fills the GPU by itself)."""
+    FlashDecoding: two alone, one beside an own part that fills the GPU by itself). With
+    `row_groups`, row b alone is group b (keys ``[B, Hkv, N, d]``: split decode over each row's own keys)."""
     batch, q_heads, dim = query.shape
     groups, kv_heads, length = keys.shape[:3]
     if q_heads % kv_heads:
@@ -118,7 +125,9 @@ def plan_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
         raise ValueError("prefix keys/values must be contiguous in the head dimension")
     query = query if query.stride(-1) == 1 else query.contiguous()
     per_kv = q_heads // kv_heads
-    width = batch if members is None else members.shape[1]
+    if row_groups and (members is not None or keys.shape[0] != batch):
+        raise ValueError("row_groups: one group a row (keys [B, Hkv, N, d] for a query of B rows) and no members table")
+    width = 1 if row_groups else batch if members is None else members.shape[1]
     folded = width * per_kv
     row_bytes = dim * query.element_size()
     block_m = block_m or (16 if folded <= 16 or row_bytes > 512 else 64)  # fp32 x d256: 64-row tiles do not fit
@@ -137,7 +146,8 @@ def plan_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
                  values.stride(0), values.stride(1), values.stride(2),
                  members.stride(0) if members is not None else 0, key_valid.stride(0) if key_valid is not None else 0),
         constexprs=dict(Q_HEADS=q_heads, KV_HEADS=kv_heads, PER_KV=per_kv, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-                        HAS_MEMBERS=members is not None, HAS_VALID=key_valid is not None,
+                        MEMBERS=MEMBERS_TABLE if members is not None else MEMBERS_ROW_OF_GROUP if row_groups else MEMBERS_ALL,
+                        HAS_VALID=key_valid is not None,
                         UPCAST_DOT=upcast_dot(query)),
         num_stages=3 if block_m >= 64 else 2,
         rows_outside=members is not None,

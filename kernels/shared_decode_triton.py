@@ -32,7 +32,7 @@ def _shared_decode_split(
     ps_qb, ps_qh, ps_kg, ps_kh, ps_kn, ps_vg, ps_vh, ps_vn, ps_mg, ps_valid,
     gs_qb, gs_qh, gs_kb, gs_kh, gs_kn, gs_vb, gs_vh, gs_vn, gs_ib, gs_ih,
     P_Q_HEADS: tl.constexpr, P_KV_HEADS: tl.constexpr, P_PER_KV: tl.constexpr, P_DIM: tl.constexpr,
-    P_BLOCK_M: tl.constexpr, P_BLOCK_N: tl.constexpr, P_HAS_MEMBERS: tl.constexpr, P_HAS_VALID: tl.constexpr,
+    P_BLOCK_M: tl.constexpr, P_BLOCK_N: tl.constexpr, P_MEMBERS: tl.constexpr, P_HAS_VALID: tl.constexpr,
     P_UPCAST_DOT: tl.constexpr,
     G_SEL_HEADS: tl.constexpr, G_KV_HEADS: tl.constexpr, G_GROUP: tl.constexpr, G_GROUP_PAD: tl.constexpr,
     G_DIM: tl.constexpr, G_BLOCK: tl.constexpr, G_UPCAST_DOT: tl.constexpr,
@@ -46,7 +46,7 @@ def _shared_decode_split(
                              rest // group_heads, rest % group_heads, split,
                              scale_log2, width, length, prefix_tiles_per_split, 0, total_splits,
                              ps_qb, ps_qh, ps_kg, ps_kh, ps_kn, ps_vg, ps_vh, ps_vn, ps_mg, ps_valid,
-                             P_Q_HEADS, P_KV_HEADS, P_PER_KV, P_DIM, P_BLOCK_M, P_BLOCK_N, P_HAS_MEMBERS,
+                             P_Q_HEADS, P_KV_HEADS, P_PER_KV, P_DIM, P_BLOCK_M, P_BLOCK_N, P_MEMBERS,
                              P_HAS_VALID, P_UPCAST_DOT)
     else:  # (row x selection head, split) of the own part, written after the prefix's splits
         own = pid - prefix_programs

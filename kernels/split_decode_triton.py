@@ -4,7 +4,8 @@ Twin of `split_decode.split_decode_attention_torch` (same arguments, same result
 rounding). Two launches:
 
 1. Program (row x KV head, split): the shared-prefix decode program
-   (`prefix_attention_triton.prefix_split_program`) with each row a group of one member, so the
+   (`prefix_attention_triton.prefix_split_program`) with each row a group of one member (its
+   ``MEMBERS_ROW_OF_GROUP``: no members table to make or read), so the
    group's keys are the row's own ``key[b, kv]``, its key mask the row's ``valid[b]``, and its
    folded query rows the G = Hq / Hkv query heads of the KV head: each key and value of the split
    is read once for the whole group (one ``tl.dot`` per key tile). It writes the split's softmax
@@ -16,8 +17,6 @@ nothing in the launch path reads the device, so a step captured as a CUDA graph 
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -60,8 +59,7 @@ def split_decode_attention_triton(query: torch.Tensor, key: torch.Tensor, value:
     splits = splits or plan_split_decode(batch, kv_heads, key.shape[2], num_sms(query.device), block_n)
     if valid is not None and valid.stride(-1) != 1:
         valid = valid.contiguous()
-    launch = plan_prefix(query, key, value, scale, row_members(batch, query.device), valid, block_n=block_n,
-                         splits=splits)
+    launch = plan_prefix(query, key, value, scale, None, valid, block_n=block_n, splits=splits, row_groups=True)
     part_out, part_lse = new_parts(query, launch.num_splits, empty=False)  # every row is in its own group
     # three stages of K/V tiles for rows of <= 256 bytes (16-bit, d <= 128), two beyond: shared memory
     stages = num_stages or (3 if query.shape[-1] * query.element_size() <= 256 else 2)
@@ -72,15 +70,3 @@ def split_decode_attention_triton(query: torch.Tensor, key: torch.Tensor, value:
     out, lse = merge_parts(query, part_out, part_lse, None)
     return (out, lse) if return_lse else out
 
-
-def row_members(batch: int, device: torch.device) -> torch.Tensor:
-    """``members [B, 1]`` int32 with ``members[b, 0] = b``: each row a prefix group of one, cached
-    per (B, device) so that a step launches no kernel to make it."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.arange(batch, device=device, dtype=torch.int32)[:, None]  # a graph writes its own copy
-    return _row_members(batch, device)
-
-
-@functools.lru_cache(maxsize=None)
-def _row_members(batch: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(batch, device=device, dtype=torch.int32)[:, None]
