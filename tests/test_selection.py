@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hshare.kernels import dequantize_labels, label_scores, quantize_labels
-from hshare.selection import NO_TOKEN, RowWindows, nth_valid_columns, select_heavy, valid_columns_from_mask
+from hshare.selection import NO_TOKEN, RowWindows, nth_valid_columns, select_heavy, valid_columns_from_mask, valid_counts
 
 
 def brute_force_critical(valid_row, scores_row, sink, local, heavy):
@@ -104,6 +104,21 @@ def test_stale_heavy_columns_outside_the_window_are_dropped():
 def test_nth_valid_columns():
     valid = torch.tensor([[0, 1, 0, 1, 1]], dtype=torch.bool)
     assert nth_valid_columns(valid, torch.tensor([[0, 1, 2, 3, -1]])).tolist() == [[1, 3, 4, -1, -1]]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (4, 37), (2, 3, 50), (5, 0)])
+def test_valid_counts_is_each_rows_running_count(shape):
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    valid = torch.rand(shape, generator=generator) < 0.6
+    if shape[-1]:
+        valid[0] = False  # a row with no valid column
+    rows = valid.reshape(valid[..., 0:1].numel(), shape[-1]).tolist()
+    want = torch.tensor([[sum(row[:i + 1]) for i in range(len(row))] for row in rows],
+                        dtype=torch.long).reshape(shape)  # by hand, row by row
+    assert torch.equal(valid_counts(valid), want)
+    wide = torch.ones(*shape[:-1], shape[-1] + 3, dtype=torch.bool)
+    wide[..., :shape[-1]] = valid
+    assert torch.equal(valid_counts(wide[..., :shape[-1]]), want)  # a view of a wider buffer
 
 
 def test_select_heavy_pads_when_window_is_small():
