@@ -27,8 +27,6 @@ from .successors import with_successors, with_successors_torch
 __all__ = [
     "use_triton",
     "channel_statistic",
-    "write_kv_column",
-    "write_kv_column_torch",
     "channel_statistic_torch",
     "NO_TOKEN",
     "PrefixKV",
@@ -71,4 +69,6 @@ __all__ = [
     "split_decode_attention_torch",
     "with_successors",
     "with_successors_torch",
+    "write_kv_column",
+    "write_kv_column_torch",
 ]

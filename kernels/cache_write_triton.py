@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .cache_write import check_kv_column
 
-HEADS_PER_PROGRAM = 8  # heads one program copies: a few KiB, one wave for B x H up to ~1000 heads
+HEADS_PER_PROGRAM = 8  # heads one program copies (their keys and values: a few KiB at d = 128)
 
 
 @triton.jit

@@ -146,7 +146,8 @@ def plan_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
                  values.stride(0), values.stride(1), values.stride(2),
                  members.stride(0) if members is not None else 0, key_valid.stride(0) if key_valid is not None else 0),
         constexprs=dict(Q_HEADS=q_heads, KV_HEADS=kv_heads, PER_KV=per_kv, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-                        MEMBERS=MEMBERS_TABLE if members is not None else MEMBERS_ROW_OF_GROUP if row_groups else MEMBERS_ALL,
+                        MEMBERS=(MEMBERS_TABLE if members is not None else
+                                 MEMBERS_ROW_OF_GROUP if row_groups else MEMBERS_ALL),
                         HAS_VALID=key_valid is not None,
                         UPCAST_DOT=upcast_dot(query)),
         num_stages=3 if block_m >= 64 else 2,
