@@ -86,7 +86,7 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         else:
             heavy = _select_heavy_columns(cache, step, layer_idx, query)
         _keep(cache, layer, "heavy", heavy)
-    elif layer.candidates is not None:  # a reuse step refines the candidates with its own query
+    elif layer.candidates is not None and cache.config.sharing.refine_steps:  # refined with this step's query
         _keep(cache, layer, "heavy", layer.policy.candidate_heavy(query[:, :, 0], layer.candidates,
                                                                   step.windows.middle, cache.config.budget.heavy))
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only

@@ -163,6 +163,10 @@ class SharingConfig:
             heads, layers and steps reusing its selection share; each of them refines the set to its
             own top `heavy` by scoring only the candidates' metadata with its own query
             (`hshare.refine`, `SelectionPolicy.candidate_scores`).
+        refine_steps: with candidates, the later steps of a query group refine the candidates with their
+            own query (True); False: they take the columns their layer and head kept at the group's selection
+            step, as without candidates (a step's refinements, a launch a layer, only at selection steps; the
+            heads and layers sharing a selection still refine it there).
         successors: a selecting head walks its top columns (its heavy columns, or with refinement its C
             candidates) in rank order and keeps each with the column after it (its successor, where
             selectable and not already kept) until as many are kept: without adjacent top columns, the
@@ -177,6 +181,7 @@ class SharingConfig:
     lookahead: bool = False
     dense_layers: tuple[int, ...] = ()
     candidates: float = 1.0
+    refine_steps: bool = True
     successors: bool = False
 
     def __post_init__(self) -> None:
@@ -202,6 +207,7 @@ class SharingConfig:
             raise ConfigError(f"HShareConfig.sharing.candidates = {self.candidates!r} is invalid; accepted: a number "
                               "in [1, 64], C / heavy (1 = no refinement)")
         _set(self, "candidates", float(self.candidates))
+        check_bool("sharing.refine_steps", self.refine_steps)
         check_bool("sharing.successors", self.successors)
 
     @property
@@ -393,7 +399,8 @@ OPTION_NAMES: dict[str, tuple[str, str]] = {
     "sink": ("budget", "sink"), "local": ("budget", "local"), "heavy": ("budget", "heavy"),
     "layer_sharing": ("sharing", "layer"), "head_sharing": ("sharing", "head"), "query_sharing": ("sharing", "query"),
     "group_lookahead": ("sharing", "lookahead"), "dense_layers": ("sharing", "dense_layers"),
-    "candidates": ("sharing", "candidates"), "successors": ("sharing", "successors"),
+    "candidates": ("sharing", "candidates"), "refine_steps": ("sharing", "refine_steps"),
+    "successors": ("sharing", "successors"),
     "selection": ("planner", "selection"), "plan_scope": ("planner", "scope"), "planner": ("planner", "method"),
     "plan_rows": ("planner", "rows"), "seed": ("planner", "seed"), "share_similarity": ("planner", "similarity"),
     "policy": ("policy", "name"),

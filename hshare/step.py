@@ -397,7 +397,8 @@ class StepPlanner:
             shares = plan.shares.values()
             self._select_scorings = (rows, sum(share.scorings(rows) for share in shares),
                                      sum(share.refinements(rows) for share in shares) if count else 0,
-                                     rows * cache.sel_heads * len(plan.shares) if count else 0)
+                                     rows * cache.sel_heads * len(plan.shares)
+                                     if count and self.config.sharing.refine_steps else 0)
         if plan.kind == "select":
             scorings, refinements = self._select_scorings[1:3]
         else:

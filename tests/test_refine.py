@@ -203,6 +203,9 @@ def test_config():
         HShareConfig(policy="quest", successors=True)
     with pytest.raises(ConfigError, match=r"sharing.successors = 1 is invalid; accepted: true or false"):
         HShareConfig(candidates=2, successors=1)
+    assert HShareConfig().sharing.refine_steps and not HShareConfig(refine_steps=False).sharing.refine_steps
+    with pytest.raises(ConfigError, match=r"sharing.refine_steps = 'no' is invalid; accepted: true or false"):
+        HShareConfig(candidates=2, refine_steps="no")
 
 
 def _prompts(prefix: str):
@@ -399,8 +402,8 @@ def _refinements_brute_force(cache, steps: int) -> int:
     group = cache.config.sharing.query_group
     total = 0
     for step in range(steps):
-        if step % group:  # a reuse step: every sparse layer refines every (row, head)
-            total += rows * heads * len(planner.shares)
+        if step % group:  # a reuse step: every sparse layer refines every (row, head), or none
+            total += rows * heads * len(planner.shares) if cache.config.sharing.refine_steps else 0
             continue
         for share in planner.shares.values():
             selecting = rows if share.select_rows is None else len(share.select_rows)
@@ -427,6 +430,51 @@ def test_counters_count_the_candidate_rows_scored(preset):
     assert refined.scored_tokens == plain.scored_tokens + 12 * (refined.refinements + refined.score_computations)
 
 
+@pytest.mark.parametrize("prefix,successors", [("off", False), ("on", True)])
+def test_reuse_steps_without_step_refinement_keep_the_selection_steps_columns(monkeypatch, prefix, successors):
+    """`refine_steps=False`: a selection step is the same as with it (the same heavy columns and candidates
+    at every layer), and each later step of the query group attends the columns its layer and head kept at
+    that selection step (with the current step's sink, local and middle windows), refining nothing."""
+    model = tiny_llama(kv_heads=2, layers=4, heads=4)
+    ids, mask = _prompts(prefix)
+    runs, caches = {}, {}
+    for refine_steps in (True, False):
+        seen = _record(monkeypatch)
+        with hshare.patched(model, "hshare-1_2-1_2-1_2", candidates=2, query_sharing="1/3", dense_fallback_mib=0,
+                            prefix=prefix, successors=successors, refine_steps=refine_steps, **SMALL):
+            caches[refine_steps] = hshare.new_cache(model)
+            greedy(model, ids, mask, new_tokens=NEW, past_key_values=caches[refine_steps])
+        runs[refine_steps] = list(seen)
+        monkeypatch.undo()
+    refined, kept = runs[True], runs[False]
+    first_reuse = next(i for i, entry in enumerate(kept) if entry["kind"] == "reuse")
+    for a, b in zip(refined[:first_reuse], kept[:first_reuse]):  # identical up to the first reuse step
+        assert a["kind"] == b["kind"] == "select" and torch.equal(a["heavy"], b["heavy"])
+        assert torch.equal(a["candidates"], b["candidates"]) and torch.equal(a["indices"], b["indices"])
+    selection = {}
+    reused = 0
+    for entry in kept:
+        if entry["kind"] == "select":
+            selection[entry["layer"]] = entry["heavy"]
+            continue
+        assert torch.equal(entry["heavy"], selection[entry["layer"]])
+        windows = entry["windows"]
+        for b in range(entry["heavy"].shape[0]):
+            if windows.short[b]:
+                continue
+            middle = windows.middle[b]
+            for h in range(entry["heavy"].shape[1]):
+                want = _as_set(windows.sink[b]) | _as_set(windows.local[b]) | \
+                    {int(c) for c in entry["heavy"][b, h] if c >= 0 and middle[c]}
+                assert _as_set(entry["indices"][b, h]) == want
+        reused += 1
+    assert reused and selection
+    for refine_steps, cache in caches.items():
+        assert cache.stats.refinements == _refinements_brute_force(cache, NEW - 1) > 0
+    assert caches[False].stats.refinements < caches[True].stats.refinements
+    assert caches[False].stats.score_computations == caches[True].stats.score_computations
+
+
 def test_counters_count_the_rows_successors_rank():
     """With successors a selecting head ranks its top `heavy` (or with refinement its C candidates) by scoring
     them again: `heavy` more label rows a scoring, or with refinement as many as without successors."""
@@ -448,7 +496,8 @@ def test_counters_count_the_rows_successors_rank():
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(plan_scope="sample"), dict(query_sharing="1/4", group_lookahead=True),
-                                       dict(successors=True), dict(successors=True, candidates=1)])
+                                       dict(successors=True), dict(successors=True, candidates=1),
+                                       dict(successors=True, refine_steps=False)])
 def test_static_shapes_equal_eager(monkeypatch, overrides):
     monkeypatch.setattr(static_decode, "STATIC_ON_CPU", True)
     model = tiny_llama(kv_heads=2, layers=4)
