@@ -313,3 +313,26 @@ def test_peak_sites_replays_frees_as_requested_or_completed():
                             dict(address=2, size=512, requested_size=0, state="inactive")]}]
     assert peak_memory.allocator_slack(live, segments) == ((2 << 20) - 10, 1, (512 - 5) + (512 - 7))
     assert [peak_memory.block_bytes(n) for n in (1, 512, 513, 3 << 20)] == [512, 512, 1024, 3 << 20]
+
+
+def test_profile_decode_counts_a_steps_launches_and_keeps_its_last_step_in_order():
+    """`benchmarks/profile_decode.py` on the CPU (its smoke path: CPU ops for kernels): the launches a step of
+    each op are the difference of two generates over the steps between them, whole numbers for a step that
+    repeats, and the sequence is the longer generate's last that many ops, in the order they ran."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "profile_decode", Path(__file__).resolve().parents[1] / "benchmarks" / "profile_decode.py")
+    profile_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_decode)
+    model = generate.build_model("tiny", None, "cpu", torch.float32, 64)
+    ids = torch.randint(3, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    per_step, launches, sequence = profile_decode.step_kernels(model, "dense", ids, torch.ones_like(ids), 3, False)
+    total = sum(launches.values())
+    assert total > 0 and all(count > 0 and count == round(count) for count in launches.values())
+    assert len(sequence) == round(total)
+    assert {name for name, _ in sequence} <= set(per_step) | set(launches)
+    _, _, whole = profile_decode.kernel_totals(model, ids, torch.ones_like(ids), 1)  # ordered by start time
+    assert whole and all(isinstance(us, float) for _, us in whole)
+    assert sequence[-1][0] == whole[-1][0]  # a generate ends on the same bookkeeping op: the sequence is its tail
