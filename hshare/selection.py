@@ -84,7 +84,7 @@ def valid_counts(valid: torch.Tensor) -> torch.Tensor:
     """
     ones = valid.long()
     flat = ones.reshape(-1).cumsum(0).view(ones.shape)
-    return flat - (flat[..., :1] - ones[..., :1])
+    return flat.sub_(flat[..., :1] - ones[..., :1])  # in place: the temporaries of `cumsum(-1)`, no more
 
 
 def nth_valid_columns(valid: torch.Tensor, ranks: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,7 +193,7 @@ def prefill_middle_windows(valid_rows: torch.Tensor, sink: int, local: int) -> t
         ``[B, W, n]`` bool.
     """
     n_valid = valid_rows.sum(-1, keepdim=True)
-    rank = valid_rows.long().cumsum(-1) - 1
+    rank = valid_counts(valid_rows) - 1
     return valid_rows & (rank >= sink) & (rank < n_valid - local)
 
 

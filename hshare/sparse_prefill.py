@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from hshare.planner import keep_mask
 from hshare.policy import SelectionPolicy
-from hshare.selection import prefill_middle_windows, select_heavy, valid_columns_from_mask
+from hshare.selection import prefill_middle_windows, select_heavy, valid_columns_from_mask, valid_counts
 
 CHUNK_ELEMENTS = 1 << 24  # score elements (B x H_sel x chunk x n) per chunk of query rows
 
@@ -37,7 +37,7 @@ def prefill_critical_mask(scores: torch.Tensor | None, valid: torch.Tensor, sink
         valid column of a row with ``n_valid <= N_c``. Each row has ``min(N_c, n_valid)`` True
         entries per head, all on valid columns.
     """
-    rank = valid.long().cumsum(-1) - 1
+    rank = valid_counts(valid) - 1
     n_valid = rank[..., -1:] + 1
     windows = valid & ((rank < sink) | (rank >= n_valid - local))  # [B, C, n]
     keep = windows[:, None]
