@@ -11,6 +11,10 @@ compiles, agrees and is faster than the twin.
     python3 benchmarks/candidate_timing.py                      # B16 x 32 heads x 4k, B4 x 8 x 32k, B1 x 8 x 128k
     python3 benchmarks/candidate_timing.py --widths 1728,7872 --shapes 4x8x32768
     python3 benchmarks/candidate_timing.py --widths 3776 --shapes 16x32x4096 --maxnreg 128   # a register cap
+    python3 benchmarks/candidate_timing.py --widths 3776 --shapes 4x8x32768 --keys --group 4   # refine_by keys too
+
+`--keys` also times the refinement by exact logits (`candidate_keys_triton.candidate_key_topk_triton`, bf16 keys
+``[rows, heads, n, 128]``, `--group` query heads a head) against its twin.
 
 Candidates are distinct random window columns, ascending (the walk told so); labels as `label_topk_timing.make_step` (8 heavy
 channels at 4 bits by default); each path replayed as a CUDA graph (`graph_time_us`, L2 flushed).
@@ -31,6 +35,8 @@ from label_topk_timing import SINK, make_step  # noqa: E402
 
 from hshare.bench.timing import graph_time_us  # noqa: E402
 from hshare.kernels import label_topk_triton  # noqa: E402
+from hshare.kernels.candidate_keys import candidate_key_topk_torch  # noqa: E402
+from hshare.kernels.candidate_keys_triton import candidate_key_topk_triton  # noqa: E402
 from hshare.kernels.label_topk import candidate_label_topk_torch, candidate_label_walk_torch  # noqa: E402
 
 SHAPES = "16x32x4096,4x8x32768,1x8x131072"
@@ -46,9 +52,12 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=None, help="num_warps of the Triton kernels (default: theirs)")
     parser.add_argument("--maxnreg", type=int, default=None,
                         help="registers a thread at most, both kernels (default: theirs; 0: no cap)")
+    parser.add_argument("--keys", action="store_true", help="also the refinement by exact logits (bf16 keys)")
+    parser.add_argument("--group", type=int, default=1, help="query heads a head for --keys (default 1)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    header = ("rows x heads x n", "C", "top-k triton us", "top-k twin us", "walk triton us", "walk twin us", "agree")
+    header = ("rows x heads x n", "C", "top-k triton us", "top-k twin us", "walk triton us", "walk twin us",
+              "keys triton us", "keys twin us", "agree")
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     results = []
@@ -58,6 +67,9 @@ def main() -> None:
                                                                     device)
         all_rows = torch.arange(rows, device=device)
         all_heads = torch.arange(heads, device=device)[None]
+        keys = torch.randn(rows, heads, n, query.shape[-1], device=device, dtype=torch.bfloat16) if args.keys else None
+        key_query = (torch.randn(rows, heads * args.group, query.shape[-1], device=device, dtype=torch.bfloat16)
+                     if args.keys else None)
         span = int(selectable[0].sum())
         for width in map(int, args.widths.split(",")):
             if width > span:
@@ -86,6 +98,13 @@ def main() -> None:
                     return candidate_label_walk_torch(query, chans, codes, scale, zero, args.bits, candidates,
                                                       selectable, top=heavy)
 
+                def keys_triton():
+                    return candidate_key_topk_triton(key_query, keys, heavy, candidates, selectable,
+                                                     num_warps=args.warps)
+
+                def keys_twin():
+                    return candidate_key_topk_torch(key_query, keys, heavy, candidates, selectable)
+
                 with torch.no_grad():
                     agree = {}  # the share of (row, head) programs equal to the twin's (fp32 scores rounded
                     try:        # differently may swap near-equal candidates at a boundary)
@@ -94,6 +113,9 @@ def main() -> None:
                         taken_twin, best_twin = walk_twin()
                         agree["walk"] = (taken == taken_twin).all(-1).float().mean().item()
                         agree["walk best"] = (best == best_twin).all(-1).float().mean().item()
+                        if args.keys:
+                            agree["keys"] = (keys_triton().sort(-1).values == keys_twin().sort(-1).values
+                                             ).all(-1).float().mean().item()
                     except Exception as error:  # a register tile that does not compile or launch
                         agree["error"] = f"{type(error).__name__}: {str(error)[:200]}"
                     row = {"shape": shape, "candidates": width, "heavy": heavy, "agree": agree}
@@ -102,6 +124,9 @@ def main() -> None:
                                    topk_twin_us=graph_time_us(topk_twin, device),
                                    walk_triton_us=graph_time_us(walk_triton, device),
                                    walk_twin_us=graph_time_us(walk_twin, device))
+                        if args.keys:
+                            row.update(keys_triton_us=graph_time_us(keys_triton, device),
+                                       keys_twin_us=graph_time_us(keys_twin, device))
             finally:
                 label_topk_triton.MAX_CANDIDATES, label_topk_triton.MAX_WALK_CANDIDATES = limits
             results.append(row)
@@ -110,7 +135,8 @@ def main() -> None:
                 value = row.get(key)
                 return f"{value:.1f}" if value else "n/a"
             print(" | ".join([shape, str(width), us("topk_triton_us"), us("topk_twin_us"), us("walk_triton_us"),
-                              us("walk_twin_us"), json.dumps(agree)]), flush=True)
+                              us("walk_twin_us"), us("keys_triton_us"), us("keys_twin_us"), json.dumps(agree)]),
+                  flush=True)
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     (out / "candidate_timing.json").write_text(json.dumps(

@@ -7,7 +7,8 @@
 # One GPU (benchmarks/RESULTS.md); logs and JSON under $OUT:
 #   suite      the whole fast test suite on the GPU, gpu_check.py, `hshare bench prefix` and `bench attention`
 #   tests      the GPU tests of static decode, prefill metadata and the decode kernels
-#   selection  the GPU tests of the fused label top-k (candidates too), candidate-set refinement, Quest and Loki
+#   selection  the GPU tests of the fused label top-k (candidates too), candidate-set refinement (by keys too),
+#              Quest and Loki
 #   candidates the candidate top-k and walk kernels against their twins by width (candidate_timing.py): the widest
 #              (7,872 and 15,936 candidates) with 16 label channels at 4, 8 and 16 bits, then 1,728-7,872 at
 #              CANDIDATE_WARPS (default 8 16) warps
@@ -129,7 +130,8 @@ one_gpu_part() {
         tests/test_kernels_triton.py -k "static or labels or critical or prefill_metadata or heavy_topk or select_heavy" \
         2>&1 | tail -25 | tee "$OUT/pytest_gpu_static.log" ;;
     selection)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_label_topk.py tests/test_refine.py tests/test_quest.py tests/test_loki.py \
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_label_topk.py tests/test_candidate_keys.py \
+        tests/test_refine.py tests/test_quest.py tests/test_loki.py \
         2>&1 | tail -25 | tee "$OUT/pytest_gpu_selection.log" ;;
     candidates)
       for bits in 4 8 16; do  # the widest, with the presets' 16 label channels

@@ -32,7 +32,7 @@ from hshare.cache import HShareCache, HShareLayer
 from hshare.step import DecodeStep
 from hshare.heads import head_shard
 from hshare.kernels import attention_with_lse, gather_attention, merge_attention_states, split_decode_attention
-from hshare.refine import select_candidates
+from hshare.refine import Refine, refine_by_keys, select_candidates
 from hshare.selection import NO_TOKEN, per_head, valid_columns_from_mask
 from hshare.sparse_prefill import sparse_prefill_attention
 
@@ -79,16 +79,18 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         if cache.prefix is None:
             return _dense_decode(query, key, value, step.valid, scaling), None
         return _decode_attention(cache, layer_idx, query, key, value, step.own_columns, scaling), None
+    by_keys = refine_by_keys(key) if cache.config.sharing.refine_by == "keys" else None
     if step.selecting:
         if cache.config.candidate_count:
-            heavy, candidates = _select_candidates(cache, step, layer_idx, query)
+            heavy, candidates = _select_candidates(cache, step, layer_idx, query, by_keys)
             _keep(cache, layer, "candidates", candidates)
         else:
             heavy = _select_heavy_columns(cache, step, layer_idx, query)
         _keep(cache, layer, "heavy", heavy)
     elif layer.candidates is not None and cache.config.sharing.refine_steps:  # refined with this step's query
-        _keep(cache, layer, "heavy", layer.policy.candidate_heavy(query[:, :, 0], layer.candidates,
-                                                                  step.windows.middle, cache.config.budget.heavy))
+        refine = by_keys or layer.policy.candidate_heavy
+        _keep(cache, layer, "heavy", refine(query[:, :, 0], layer.candidates, step.windows.middle,
+                                            cache.config.budget.heavy))
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
         layer.heavy = torch.full((query.shape[0], cache.sel_heads, cache.config.budget.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
@@ -219,15 +221,15 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
     return heavy
 
 
-def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, query: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, query: torch.Tensor,
+                       by_keys: Refine | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Heavy columns ``[B, H_sel, heavy]`` and candidates ``[B, H_sel, C]`` of one layer at a selection step
     with candidate-set refinement (`SharingConfig.candidates`).
 
     The rows for which this layer is a source score every column with its source heads and keep their top C
     as candidates, and the top `heavy` of those as their heavy columns; copying heads take their source
     head's candidates, copying layers their source layer's, and each refines them with its own query
-    (`SelectionPolicy.candidate_heavy`).
+    (`SelectionPolicy.candidate_heavy`, or `by_keys`: ``refine_by = "keys"``, for every head).
     """
     config = cache.config
     layer = cache.layers[layer_idx]
@@ -243,20 +245,21 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
         if cache.static is not None and rows is None:  # head sharing writes into the kept buffers (`_keep`)
             sharing["out"] = (layer.heavy, layer.candidates)
         chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows,
-                                           successors=config.sharing.successors, **sharing)
+                                           successors=config.sharing.successors, refine=by_keys, **sharing)
         heavy, candidates = _in_batch(chosen, rows, batch), _in_batch(picked, rows, batch)
+    refine = by_keys or layer.policy.candidate_heavy
     for source_layer, copy_rows in share.copy_groups:
         source = cache.layers[source_layer].candidates
         if copy_rows is None:
             candidates = source
-            heavy = layer.policy.candidate_heavy(decode_query, source, window, kept)
+            heavy = refine(decode_query, source, window, kept)
         else:
             if heavy is None:
                 heavy = torch.full((batch, cache.sel_heads, kept), NO_TOKEN, dtype=torch.long, device=query.device)
                 candidates = torch.full_like(source, NO_TOKEN)
             candidates[copy_rows] = source[copy_rows]
-            heavy[copy_rows] = layer.policy.candidate_heavy(decode_query, source[copy_rows],
-                                                            window.index_select(0, copy_rows), kept, rows=copy_rows)
+            heavy[copy_rows] = refine(decode_query, source[copy_rows], window.index_select(0, copy_rows), kept,
+                                      rows=copy_rows)
     return heavy, candidates
 
 

@@ -46,6 +46,7 @@ def _presets(args: argparse.Namespace) -> int:
         b, s = c.budget, c.sharing
         scores = c.policy.describe() if b.heavy else "no scoring"
         refine = f" refining {c.candidate_count} candidates" if c.candidate_count else ""
+        refine += " by exact logits" if c.candidate_count and s.refine_by == "keys" else ""
         refine += " at selection steps" if c.candidate_count and not s.refine_steps else ""
         refine += (" with successors" if c.candidate_count else ", heavy with successors") if s.successors else ""
         detail = (f"N_c {b.total} = {b.sink}+{b.local}+{b.heavy}, sharing {s.layer:g}-{s.head:g}-{s.query:g}{refine}, "

@@ -48,6 +48,7 @@ SELECTION_GRANULARITIES = ("kv_head", "query_head")
 PLAN_SCOPES = ("batch", "sample")
 PLANNERS = ("greedy", "random", "auto")
 PREFIX_MODES = ("auto", "on", "off")
+REFINE_BY = ("labels", "keys")  # what a candidate refinement ranks by (`SharingConfig.refine_by`)
 # On CUDA, the K/V reads per layer a sparse step must save over a dense one to be faster
 # (`RuntimeConfig.sparse_min_saved_bytes`): replayed as CUDA graphs, and eager (host launch cost per
 # layer). Calibrated by `hshare bench grid`.
@@ -167,6 +168,12 @@ class SharingConfig:
             own query (True); False: they take the columns their layer and head kept at the group's selection
             step, as without candidates (a step's refinements, a launch a layer, only at selection steps; the
             heads and layers sharing a selection still refine it there).
+        refine_by: with candidates, what a refinement ranks the candidates by: "labels" (the policy's
+            approximate scores, `SelectionPolicy.candidate_heavy`) or "keys" (their exact logits q . k,
+            summed over the KV head's query group, read from the KV cache: C key rows a refinement
+            instead of C label rows; a selecting head's heavy columns are then its top `heavy` candidates
+            by exact logits too, so the labels only pick the C candidates). "keys" needs one selection a
+            KV head (``planner.selection = "kv_head"``).
         successors: a selecting head walks its top columns (its heavy columns, or with refinement its C
             candidates) in rank order and keeps each with the column after it (its successor, where
             selectable and not already kept) until as many are kept: without adjacent top columns, the
@@ -182,6 +189,7 @@ class SharingConfig:
     dense_layers: tuple[int, ...] = ()
     candidates: float = 1.0
     refine_steps: bool = True
+    refine_by: str = "labels"
     successors: bool = False
 
     def __post_init__(self) -> None:
@@ -208,6 +216,7 @@ class SharingConfig:
                               "in [1, 64], C / heavy (1 = no refinement)")
         _set(self, "candidates", float(self.candidates))
         check_bool("sharing.refine_steps", self.refine_steps)
+        check_choice("sharing.refine_by", self.refine_by, REFINE_BY)
         check_bool("sharing.successors", self.successors)
 
     @property
@@ -400,7 +409,7 @@ OPTION_NAMES: dict[str, tuple[str, str]] = {
     "layer_sharing": ("sharing", "layer"), "head_sharing": ("sharing", "head"), "query_sharing": ("sharing", "query"),
     "group_lookahead": ("sharing", "lookahead"), "dense_layers": ("sharing", "dense_layers"),
     "candidates": ("sharing", "candidates"), "refine_steps": ("sharing", "refine_steps"),
-    "successors": ("sharing", "successors"),
+    "refine_by": ("sharing", "refine_by"), "successors": ("sharing", "successors"),
     "selection": ("planner", "selection"), "plan_scope": ("planner", "scope"), "planner": ("planner", "method"),
     "plan_rows": ("planner", "rows"), "seed": ("planner", "seed"), "share_similarity": ("planner", "similarity"),
     "policy": ("policy", "name"),
@@ -541,6 +550,15 @@ class HShareConfig:
             raise ConfigError(f"HShareConfig.sharing.successors = True with policy '{self.policy.name}' is invalid: "
                               f"{self.policy.refuses_successors}; accepted: successors with a policy that selects "
                               f"columns (e.g. 'labels'), or '{self.policy.name}' without successors")
+        if self.sparse and self.sharing.refine_by == "keys" and not self.candidate_count:
+            raise ConfigError("HShareConfig.sharing.refine_by = 'keys' without a candidate set is invalid: it ranks the "
+                              "candidates a selection shares; accepted: 'keys' with sharing.candidates > 1 and a heavy "
+                              "budget, or refine_by 'labels'")
+        if self.sparse and self.sharing.refine_by == "keys" and self.planner.selection != "kv_head":
+            raise ConfigError(f"HShareConfig.sharing.refine_by = 'keys' with planner.selection = "
+                              f"'{self.planner.selection}' is invalid: a refinement reads the keys of its KV head, "
+                              "summed over the head's query group; accepted: 'keys' with selection 'kv_head', or "
+                              "refine_by 'labels'")
         if self.runtime.sparse_prefill and self.prefix.mode == "on":
             raise ConfigError(
                 "HShareConfig.runtime.sparse_prefill = True with prefix.mode = 'on' is invalid: a shared prefix is "

@@ -37,6 +37,8 @@ class DecodeStats:
             of the row is scored, left padding included), and over refinements the C candidates.
         scored_pages: the same for the Quest policy: summed over scorings, the page slots of the
             layer's page cache at that step.
+        scored_keys: candidate key rows scored by their exact logit (``SharingConfig.refine_by =
+            "keys"``): C per scoring (a selecting head ranks its candidates) and per refinement.
         kv_rows_read: K/V token rows read by decode attention, summed over (row, layer, KV-head
             reading): a dense step or layer reads each row's valid keys x Hkv; a sparse layer reads
             the valid (not -1) critical indices x the heads reading them (per-KV-head selection:
@@ -60,6 +62,7 @@ class DecodeStats:
     plans: int = 0
     scored_tokens: int = 0
     scored_pages: int = 0
+    scored_keys: int = 0
     kv_rows_read: int = 0
     dense_kv_rows: int = 0
 

@@ -11,21 +11,44 @@ each reusing query.
 With `SharingConfig.successors` the C candidates are the top C columns walked in rank order, each kept
 with its successor, until C are kept (`hshare.selection.with_successors`), and a selecting head's heavy
 columns are its top `heavy` (the first of that rank order).
+
+With ``SharingConfig.refine_by = "keys"`` a refinement ranks the candidates by their exact logits
+(`refine_by_keys`): the labels only choose the C candidates, and every head, the selecting ones included,
+keeps its top `heavy` of them by q . k.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from hshare.kernels import candidate_key_topk
 from hshare.policy import SelectionPolicy, top_candidates
 from hshare.selection import per_head, select_heavy
+
+# (query [B, Hq, d], candidates [B', H', C], window [B', n], heavy, rows=None, heads=None, out=None) -> [B', H', heavy]
+# int64 columns: `SelectionPolicy.candidate_heavy`'s contract
+Refine = Callable[..., torch.Tensor]
+
+
+def refine_by_keys(keys: torch.Tensor) -> Refine:
+    """A refinement by exact logits over one layer's keys ``[B, Hkv, n, d]`` (selection head s = KV head s):
+    `SelectionPolicy.candidate_heavy`'s contract, each candidate scored by ``sum_g q_g . k`` over the KV head's
+    query group (`kernels.candidate_key_topk`: C key rows read a (row, head))."""
+
+    def refine(query: torch.Tensor, candidates: torch.Tensor, window: torch.Tensor, heavy: int,
+               rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        return candidate_key_topk(query, keys, heavy, candidates, window, rows, heads, out=out)
+    return refine
 
 
 def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torch.Tensor, count: int, heavy: int,
                       rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
                       head_slot: torch.Tensor | None = None, copy_heads: torch.Tensor | None = None,
-                      successors: bool = False, out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      successors: bool = False, out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+                      refine: Refine | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A selecting layer's heavy columns and candidates: each source head's top C of its scores of every
     column in the window, and the top `heavy` of those (= the top `heavy` of the window); with head sharing,
     each copying head's own top `heavy` among its source head's candidates.
@@ -41,6 +64,8 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
             columns its top `heavy` (`with_successors`: the best of the top C, without scoring them again).
         out: buffers ``([B', H_sel, heavy], [B', H_sel, C])`` (a layer's kept ones) that the per-head results of
             head sharing are written into when their shapes match (else new tensors are returned).
+        refine: how the heads refine candidates (None: the policy's `SelectionPolicy.candidate_heavy`); given
+            (`refine_by_keys`), the source heads' heavy columns are their top `heavy` candidates by it too.
 
     Returns:
         ``(heavy, candidates)``: ``[B', H, heavy]`` and ``[B', H, C]`` int64 columns (H = n_src without
@@ -51,19 +76,23 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         source head's C and heavy from one score tensor, and its copying heads refine. With successors a source
         head's C are scored once more, to rank and walk them, and its copying heads refine.
     """
+    refine_sources = refine is not None
+    refine = refine or policy.candidate_heavy
     if successors:  # a source head's heavy columns are its top `heavy`, from the walk's scores
         candidates, chosen = policy.decode_heavy_successors(query, window, count, rows, heads, top=heavy)
     elif policy.scores_candidates:
         candidates = policy.decode_heavy(query, window, count, rows, heads)
         if head_slot is not None:
             candidates, heads = per_head(candidates, head_slot), None
-        return policy.candidate_heavy(query, candidates, window, heavy, rows, heads), candidates
+        return refine(query, candidates, window, heavy, rows, heads), candidates
     else:
         scores = policy.decode_scores(query, rows, heads)
         candidates = select_heavy(scores, window[:, None], count)
         chosen = top_candidates(scores.gather(-1, candidates.clamp(min=0)), candidates, candidates >= 0, heavy)
+    if refine_sources:
+        chosen = refine(query, candidates, window, heavy, rows, heads)
     if head_slot is None:
         return chosen, candidates
     candidates, chosen = per_head(candidates, head_slot, out[1]), per_head(chosen, head_slot, out[0])
     # each copying head refines its source head's candidates (now its own entry) into its entry of `chosen`
-    return policy.candidate_heavy(query, candidates, window, heavy, rows=rows, heads=copy_heads, out=chosen), candidates
+    return refine(query, candidates, window, heavy, rows=rows, heads=copy_heads, out=chosen), candidates

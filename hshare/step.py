@@ -411,10 +411,17 @@ class StepPlanner:
         self.counts.refinements += refinements
         # a scoring scores every unit; with candidates, a policy that scores them alone picks the selecting
         # head's heavy among its C by scoring them again, or with successors ranks its top C (or heavy) by
-        # scoring them again (`SelectionPolicy.decode_heavy_successors`); a refinement scores C (or every unit)
-        ranked_again = (count or self.config.budget.heavy) if self.config.sharing.successors else count
-        again = ranked_again if policy.scores_candidates else 0
-        scored = scorings * (units + again) + refinements * (count if policy.scores_candidates else units)
+        # scoring them again (`SelectionPolicy.decode_heavy_successors`); a refinement scores C (or every unit).
+        # refine_by "keys": a selecting head's C and each refinement's C are key rows (`scored_keys`) instead
+        sharing = self.config.sharing
+        by_keys = sharing.refine_by == "keys"
+        ranked_again = (count or self.config.budget.heavy) if sharing.successors else count
+        again = ranked_again if policy.scores_candidates and (sharing.successors or not by_keys) else 0
+        scored = scorings * (units + again)
+        if by_keys:
+            self.counts.scored_keys += (scorings + refinements) * count
+        else:
+            scored += refinements * (count if policy.scores_candidates else units)
         if policy.unit == "pages":
             self.counts.scored_pages += scored
         else:

@@ -6,6 +6,7 @@ the exact LSE merge, and the prompt's heavy-channel statistic. Each is a plain-P
 from __future__ import annotations
 
 from .cache_write import write_kv_column, write_kv_column_torch
+from .candidate_keys import candidate_key_topk, candidate_key_topk_torch
 from .channel_statistic import channel_statistic, channel_statistic_torch
 from .critical_indices import NO_TOKEN, critical_indices, critical_indices_torch
 from .heavy_topk import select_heavy, select_heavy_torch
@@ -35,6 +36,8 @@ __all__ = [
     "append_labels",
     "attention_with_lse",
     "attention_with_lse_torch",
+    "candidate_key_topk",
+    "candidate_key_topk_torch",
     "candidate_label_scores",
     "candidate_label_topk",
     "candidate_label_topk_torch",

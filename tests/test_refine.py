@@ -11,7 +11,7 @@ from hshare import static_decode
 from hshare.config import ConfigError, HShareConfig
 from hshare.kernels import candidate_label_scores, decode_label_scores, quantize_labels
 from hshare.policy import SelectionPolicy
-from hshare.refine import select_candidates
+from hshare.refine import refine_by_keys, select_candidates
 from hshare.selection import with_successors
 from hshare.selection import NO_TOKEN
 
@@ -185,6 +185,63 @@ def test_refinement_is_the_brute_force_top_k_within_the_candidates():
         assert _as_set(refined[i, 0]) == set(ranked[:5])
 
 
+def _exact_logits(query, keys):
+    """fp64 ``[B, Hkv, n]``: each column's q . k summed over the KV head's query group (brute force)."""
+    batch, q_heads, dim = query.shape
+    grouped = query.double().reshape(batch, keys.shape[1], q_heads // keys.shape[1], dim).sum(2)
+    return torch.einsum("bhd,bhnd->bhn", grouped, keys.double())
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_refine_by_keys_is_the_exact_top_k_within_the_candidates(monkeypatch, kernels):
+    """`refine_by_keys`: the top `heavy` candidates in the window by exact logits (GQA: summed over the group), for
+    all rows and heads, some rows and heads, and in place for some heads (`out`); fp32 keys (the twin), or bf16 keys
+    through the Triton candidate kernel (interpreted on CPU) against the same brute force."""
+    from test_label_topk import DEVICE, triton_or_skip
+
+    if kernels == "triton":
+        triton_or_skip()
+    monkeypatch.setenv("HSHARE_KERNELS", kernels)
+    generator = torch.Generator().manual_seed(11)
+    dtype = torch.float32 if kernels == "torch" else torch.bfloat16
+    keys = torch.randn(3, 2, 40, 16, generator=generator).to(dtype)  # [B, Hkv, n, d]
+    query = torch.randn(3, 4, 16, generator=generator).to(dtype)  # GQA: 2 query heads a KV head
+    candidates = torch.stack([torch.randperm(40, generator=generator)[:14] for _ in range(6)]).reshape(3, 2, 14)
+    candidates[1, 0, 10:] = NO_TOKEN
+    window = torch.rand(3, 40, generator=generator) > 0.25
+    logits = _exact_logits(query.float(), keys.float())
+    on_device = refine_by_keys(keys.to(DEVICE))
+
+    def refine(query, candidates, window, heavy, rows=None, heads=None, out=None):  # on the kernels' device
+        moved = [None if t is None else t.to(DEVICE) for t in (query, candidates, window, rows, heads, out)]
+        got = on_device(moved[0], moved[1], moved[2], heavy, *moved[3:])
+        if out is not None:
+            out.copy_(got.cpu())
+            return out
+        return got.cpu()
+
+    def expected(b, h, count):
+        inside = [int(c) for c in candidates[b, h] if c >= 0 and window[b, c]]
+        return set(sorted(inside, key=lambda c: -float(logits[b, h, c]))[:count])
+
+    got = refine(query, candidates, window, 5)
+    assert got.shape == (3, 2, 5)
+    for b in range(3):
+        for h in range(2):
+            assert _as_set(got[b, h]) == expected(b, h, 5)
+            assert int((got[b, h] >= 0).sum()) == len(expected(b, h, 5))
+    rows, heads = torch.tensor([2, 0]), torch.tensor([[1]])
+    got = refine(query, candidates[rows][:, 1:], window[rows], 6, rows=rows, heads=heads)
+    for i, b in enumerate(rows.tolist()):
+        assert _as_set(got[i, 0]) == expected(b, 1, 6)
+    out = torch.full((3, 2, 4), 99, dtype=torch.long)
+    some = torch.tensor([[1], [0], [1]])  # per row, the head that refines its own entry
+    assert refine(query, candidates, window, 4, heads=some, out=out) is out
+    for b in range(3):
+        h = int(some[b, 0])
+        assert _as_set(out[b, h]) == expected(b, h, 4) and bool((out[b, 1 - h] == 99).all())
+
+
 def test_config():
     assert HShareConfig(heavy=88, candidates=2).candidate_count == 176
     assert HShareConfig(heavy=88).candidate_count == 0  # off
@@ -206,6 +263,15 @@ def test_config():
     assert HShareConfig().sharing.refine_steps and not HShareConfig(refine_steps=False).sharing.refine_steps
     with pytest.raises(ConfigError, match=r"sharing.refine_steps = 'no' is invalid; accepted: true or false"):
         HShareConfig(candidates=2, refine_steps="no")
+    assert HShareConfig().sharing.refine_by == "labels"
+    assert HShareConfig(candidates=2, refine_by="keys").sharing.refine_by == "keys"
+    assert HShareConfig.from_preset("dense").replace(refine_by="keys").sharing.refine_by == "keys"  # unused dense
+    with pytest.raises(ConfigError, match=r"sharing.refine_by = 'exact' is invalid.*accepted"):
+        HShareConfig(candidates=2, refine_by="exact")
+    with pytest.raises(ConfigError, match=r"refine_by = 'keys' without a candidate set is invalid.*accepted"):
+        HShareConfig(refine_by="keys")
+    with pytest.raises(ConfigError, match=r"refine_by = 'keys' with planner.selection = 'query_head' is invalid"):
+        HShareConfig(candidates=2, refine_by="keys", selection="query_head")
 
 
 def _prompts(prefix: str):
@@ -224,7 +290,8 @@ def _record(monkeypatch) -> list[dict]:
 
     def decode(cache, layer_idx, query, key, value, indices, scaling):
         layer, step = cache.layers[layer_idx], cache.planner.current
-        seen.append(dict(layer=layer_idx, query=query[:, :, 0].clone(), kind=step.kind, windows=step.windows,
+        seen.append(dict(layer=layer_idx, query=query[:, :, 0].clone(), key=key.clone(), kind=step.kind,
+                         windows=step.windows,
                          share=step.shares[layer_idx], policy=layer.policy, indices=indices.clone(),
                          heavy=layer.heavy.clone(),
                          candidates=None if layer.candidates is None else layer.candidates.clone()))
@@ -241,13 +308,17 @@ def _record(monkeypatch) -> list[dict]:
     ("hshare-1_2-1_2-1_2", "on", {}),
     ("hshare-1_2-1_2-1_2", "off", dict(successors=True)),
     ("ds", "on", dict(successors=True)),
+    ("hshare-1_2-1_2-1_2", "off", dict(refine_by="keys")),
+    ("hshare-1_2-1_2-1_2", "on", dict(refine_by="keys", successors=True)),
+    ("ds", "off", dict(refine_by="keys")),
 ])
 def test_every_reusing_layer_head_and_step_refines_with_its_own_query(monkeypatch, preset, prefix, overrides):
     """Brute force, per decode forward: a source (layer, head) at a selection step keeps the top C of its full
     label scores as candidates and the top `heavy` as heavy columns; a copying head or layer holds its
     source's candidates; every other (reuse steps, copying heads and layers) keeps the top `heavy` of its own
     query's full label scores among its candidates in the window; the attended indices are the sink, those
-    heavy columns still in the middle window, and the local window."""
+    heavy columns still in the middle window, and the local window. With ``refine_by="keys"`` every head,
+    sources included, keeps the top `heavy` of its candidates by exact logits (the labels pick the candidates)."""
     model = tiny_llama(kv_heads=2, layers=4, heads=4)
     ids, mask = _prompts(prefix)
     seen = _record(monkeypatch)
@@ -265,6 +336,7 @@ def test_every_reusing_layer_head_and_step_refines_with_its_own_query(monkeypatc
         forward[entry["layer"]] = entry
         policy, windows, share = entry["policy"], entry["windows"], entry["share"]
         full = policy.decode_scores(entry["query"])  # [B, H, n]
+        exact = _exact_logits(entry["query"], entry["key"]) if overrides.get("refine_by") == "keys" else full
         selecting = entry["kind"] == "select"
         window = windows.selectable if selecting else windows.middle
         selects = torch.zeros(full.shape[0], dtype=torch.bool)
@@ -289,12 +361,15 @@ def test_every_reusing_layer_head_and_step_refines_with_its_own_query(monkeypatc
                     else:
                         assert _as_set(candidates) == set(ranked[:count])
                     expected = set(ranked[:heavy])
+                    if exact is not full:
+                        inside = [int(c) for c in candidates if c >= 0 and window[b, c]]
+                        expected = set(sorted(inside, key=lambda c: -float(exact[b, h, c]))[:heavy])
                     checked["select"] += 1
                 else:
                     if source_layer:  # a copying head holds its source head's candidates
                         assert torch.equal(candidates, entry["candidates"][b, head_source])
                     inside = [int(c) for c in candidates if c >= 0 and window[b, c]]
-                    ranked = sorted(inside, key=lambda c: -float(full[b, h, c]))
+                    ranked = sorted(inside, key=lambda c: -float(exact[b, h, c]))
                     expected = set(ranked[:heavy])
                     checked["copied" if selecting else "reuse"] += 1
                 assert _as_set(entry["heavy"][b, h]) == expected
@@ -430,6 +505,28 @@ def test_counters_count_the_candidate_rows_scored(preset):
     assert refined.scored_tokens == plain.scored_tokens + 12 * (refined.refinements + refined.score_computations)
 
 
+@pytest.mark.parametrize("successors", [False, True])
+def test_counters_count_the_key_rows_an_exact_refinement_scores(successors):
+    """refine_by="keys": the same scorings and refinements; a selecting head's C candidates and each refinement's
+    C are key rows (`scored_keys`), no longer label rows (with successors the walk still ranks the C by labels)."""
+    model = tiny_llama(kv_heads=2, layers=4, heads=4)
+    ids, mask = left_padded(LENGTHS, torch.Generator().manual_seed(3))
+    stats = {}
+    for refine_by in ("labels", "keys"):
+        with hshare.patched(model, "hshare-1_2-1_2-1_2", candidates=2, successors=successors, refine_by=refine_by,
+                            dense_fallback_mib=0, **SMALL):
+            cache = hshare.new_cache(model)
+            greedy(model, ids, mask, new_tokens=NEW, past_key_values=cache)
+            stats[refine_by] = cache.stats
+    labels, keys = stats["labels"], stats["keys"]
+    assert (keys.score_computations, keys.refinements) == (labels.score_computations, labels.refinements)
+    assert labels.refinements > 0 and labels.scored_keys == 0
+    count = 12  # C = 2 x heavy
+    assert keys.scored_keys == count * (keys.score_computations + keys.refinements)
+    no_longer = count * keys.refinements + (0 if successors else count * keys.score_computations)
+    assert keys.scored_tokens == labels.scored_tokens - no_longer
+
+
 @pytest.mark.parametrize("prefix,successors", [("off", False), ("on", True)])
 def test_reuse_steps_without_step_refinement_keep_the_selection_steps_columns(monkeypatch, prefix, successors):
     """`refine_steps=False`: a selection step is the same as with it (the same heavy columns and candidates
@@ -497,7 +594,8 @@ def test_counters_count_the_rows_successors_rank():
 
 @pytest.mark.parametrize("overrides", [{}, dict(plan_scope="sample"), dict(query_sharing="1/4", group_lookahead=True),
                                        dict(successors=True), dict(successors=True, candidates=1),
-                                       dict(successors=True, refine_steps=False)])
+                                       dict(successors=True, refine_steps=False), dict(refine_by="keys"),
+                                       dict(successors=True, refine_by="keys")])
 def test_static_shapes_equal_eager(monkeypatch, overrides):
     monkeypatch.setattr(static_decode, "STATIC_ON_CPU", True)
     model = tiny_llama(kv_heads=2, layers=4)
