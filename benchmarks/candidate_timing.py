@@ -36,7 +36,7 @@ from label_topk_timing import SINK, make_step  # noqa: E402
 from hshare.bench.timing import graph_time_us  # noqa: E402
 from hshare.kernels import label_topk_triton  # noqa: E402
 from hshare.kernels.candidate_keys import candidate_key_topk_torch  # noqa: E402
-from hshare.kernels.candidate_keys_triton import candidate_key_topk_triton  # noqa: E402
+from hshare.kernels import candidate_keys_triton  # noqa: E402
 from hshare.kernels.label_topk import candidate_label_topk_torch, candidate_label_walk_torch  # noqa: E402
 
 SHAPES = "16x32x4096,4x8x32768,1x8x131072"
@@ -54,6 +54,8 @@ def main() -> None:
                         help="registers a thread at most, both kernels (default: theirs; 0: no cap)")
     parser.add_argument("--keys", action="store_true", help="also the refinement by exact logits (bf16 keys)")
     parser.add_argument("--group", type=int, default=1, help="query heads a head for --keys (default 1)")
+    parser.add_argument("--key-tiles", default=None,
+                        help="--keys also at these candidates a scoring program (comma-separated; default: the kernel's)")
     args = parser.parse_args()
     device = torch.device("cuda")
     header = ("rows x heads x n", "C", "top-k triton us", "top-k twin us", "walk triton us", "walk twin us",
@@ -99,8 +101,8 @@ def main() -> None:
                                                       selectable, top=heavy)
 
                 def keys_triton():
-                    return candidate_key_topk_triton(key_query, keys, heavy, candidates, selectable,
-                                                     num_warps=args.warps)
+                    return candidate_keys_triton.candidate_key_topk_triton(key_query, keys, heavy, candidates,
+                                                                           selectable, num_warps=args.warps)
 
                 def keys_twin():
                     return candidate_key_topk_torch(key_query, keys, heavy, candidates, selectable)
@@ -127,6 +129,13 @@ def main() -> None:
                         if args.keys:
                             row.update(keys_triton_us=graph_time_us(keys_triton, device),
                                        keys_twin_us=graph_time_us(keys_twin, device))
+                            default_tile = candidate_keys_triton.TILE_C
+                            for key_tile in map(int, args.key_tiles.split(",") if args.key_tiles else ()):
+                                candidate_keys_triton.TILE_C = key_tile
+                                try:
+                                    row[f"keys_triton_us_tile{key_tile}"] = graph_time_us(keys_triton, device)
+                                finally:
+                                    candidate_keys_triton.TILE_C = default_tile
             finally:
                 label_topk_triton.MAX_CANDIDATES, label_topk_triton.MAX_WALK_CANDIDATES = limits
             results.append(row)
@@ -134,9 +143,11 @@ def main() -> None:
             def us(key):
                 value = row.get(key)
                 return f"{value:.1f}" if value else "n/a"
+            tiles = {key[len("keys_triton_us_"):]: round(value, 1) for key, value in row.items()
+                     if key.startswith("keys_triton_us_tile")}
             print(" | ".join([shape, str(width), us("topk_triton_us"), us("topk_twin_us"), us("walk_triton_us"),
-                              us("walk_twin_us"), us("keys_triton_us"), us("keys_twin_us"), json.dumps(agree)]),
-                  flush=True)
+                              us("walk_twin_us"), us("keys_triton_us"), us("keys_twin_us"), json.dumps(agree)])
+                  + (f" | {json.dumps(tiles)}" if tiles else ""), flush=True)
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     (out / "candidate_timing.json").write_text(json.dumps(

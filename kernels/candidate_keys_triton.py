@@ -1,15 +1,18 @@
 """Triton candidate refinement by exact logits: the twin of `candidate_keys.candidate_key_topk_torch`.
 
-One launch, a program per (row-head, span of `SPAN` candidates). A program sums the decode query over the KV
-head's query group (fp32), reads its span's candidate key rows in tiles of `TILE_C` (each row whole: coalesced),
-scores them (``q . k`` in fp32) and writes their order-preserving int32 keys (`key_search_triton._score_key`;
-INT32_MIN: no candidate, outside the mask or a non-finite logit) to the row-head's slots of a scratch buffer.
-The row-head's last program to finish (an atomic ticket, the others' writes released before it) reads every
-key back (L2) and writes the columns of the top `heavy` in candidate order (`key_search_triton._top_columns`).
+Two launches:
+
+1. `_candidate_key_scores`, a program per (row-head, tile of `TILE_C` candidates): it sums the decode query over
+   the KV head's query group (fp32), reads its candidates' key rows (each row whole: coalesced), scores them
+   (``q . k`` in fp32) and writes their order-preserving int32 keys (`key_search_triton._score_key`; INT32_MIN:
+   no candidate, outside the mask or a non-finite logit) to the row-head's slots of a scratch buffer. One tile a
+   program and few registers: many programs an SM keep the gathers in flight (`benchmarks/candidate_timing.py
+   --key-tiles`: 64 candidates a program beat 128-512 at B4 x 8 heads x 32k and B16 x 32 x 4k).
+2. `_candidate_key_select`, a program per row-head: its C keys from the scratch (L2) and the columns of its top
+   `heavy` in candidate order (`key_search_triton._top_columns`, the label candidate top-k's search).
 
 Bytes: each candidate's key row once, its mask byte, 4 bytes of scratch written and read; the candidates' columns
-twice. Sized on the host from shapes only, so the launch is CUDA-graph capturable (the tickets are zeroed by a
-memset of the launch's own buffer).
+twice. Sized on the host from shapes only, so the launches are CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -21,23 +24,20 @@ import triton.language as tl
 from .key_search_triton import _score_key, _top_columns
 from .label_topk_triton import MAX_CANDIDATES, TAIL_TILE, _row_head
 
-SPAN = 512  # candidates a program scores
-TILE_C = 64  # candidate key rows a program holds at once
+TILE_C = 64  # candidates (key rows) a scoring program scores
 
 
 @triton.jit
-def _candidate_keys(
-    query_ptr, key_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, out_ptr, scratch_ptr, done_ptr, n, heavy, candidates,
-    s_qb, s_qh, s_kb, s_kh, s_kn, s_hb, s_mb, s_ca, s_ch, s_oa, s_oh,
+def _candidate_key_scores(
+    query_ptr, key_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, scratch_ptr, n, candidates,
+    s_qb, s_qh, s_kb, s_kh, s_kn, s_hb, s_mb, s_ca, s_ch,
     HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, GROUP: tl.constexpr,
-    DIM: tl.constexpr, HAS_MASK: tl.constexpr, SPAN_: tl.constexpr, TILE_C_: tl.constexpr, C_PAD: tl.constexpr,
-    TILE: tl.constexpr, BY_HEAD: tl.constexpr,
+    DIM: tl.constexpr, HAS_MASK: tl.constexpr, TILE_C_: tl.constexpr, C_PAD: tl.constexpr, BY_HEAD: tl.constexpr,
 ):
-    """Program (row-head pid, span): its span's keys into the scratch; the row-head's last program, its columns.
-    BY_HEAD: the candidates and the output are every selection head's, the program's head's entry read and
-    written (else its position among the row's heads)."""
+    """Program (row-head pid, tile): its tile's keys into the scratch ``[A * H', C_PAD]``. BY_HEAD: the candidates
+    are every selection head's, the program's head's entry read (else its position among the row's heads)."""
     pid = tl.program_id(0)
-    span = tl.program_id(1)
+    tile = tl.program_id(1)
     i, row, head = _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS, ROWS_INDEXED, HEADS_INDEXED)
     entry = head if BY_HEAD else (pid % HEADS).to(tl.int64)
     dims = tl.arange(0, DIM)
@@ -48,26 +48,35 @@ def _candidate_keys(
     cand_row = cand_ptr + i * s_ca + entry * s_ch
     key_base = key_ptr + row * s_kb + head * s_kh
     scratch_row = scratch_ptr + pid.to(tl.int64) * C_PAD
-    for t in tl.static_range(SPAN_ // TILE_C_):
-        slots = span * SPAN_ + t * TILE_C_ + tl.arange(0, TILE_C_)
-        present = slots < candidates
-        cols = tl.load(cand_row + slots, mask=present, other=-1).to(tl.int64)
-        inside = present & (cols >= 0) & (cols < n)
-        selectable = inside
-        if HAS_MASK:
-            selectable = inside & (tl.load(mask_ptr + i * s_mb + cols, mask=inside, other=0) != 0)
-        k = tl.load(key_base + cols[:, None] * s_kn + dims[None, :], mask=inside[:, None], other=0.0)
-        score = tl.sum(k.to(tl.float32) * q[None, :], 1)
-        ok = selectable & (tl.abs(score) < float("inf"))  # NaN fails the comparison too
-        tl.store(scratch_row + slots, tl.where(ok, _score_key(score), -2147483648), mask=present)
-    tl.debug_barrier()  # every thread's writes before the ticket (released by it)
-    ticket = tl.atomic_add(done_ptr + pid, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(1) - 1:  # the row-head's last program: its top heavy
-        every = tl.arange(0, C_PAD)
-        listed = every < candidates
-        row_keys = tl.load(scratch_row + every, mask=listed, other=-2147483648, cache_modifier=".cg")
-        row_cols = tl.load(cand_row + every, mask=listed, other=-1)
-        _top_columns(out_ptr + i * s_oa + entry * s_oh, row_keys, row_cols, heavy, TILE)
+    slots = tile * TILE_C_ + tl.arange(0, TILE_C_)
+    present = slots < candidates
+    cols = tl.load(cand_row + slots, mask=present, other=-1).to(tl.int64)
+    inside = present & (cols >= 0) & (cols < n)
+    selectable = inside
+    if HAS_MASK:
+        selectable = inside & (tl.load(mask_ptr + i * s_mb + cols, mask=inside, other=0) != 0)
+    k = tl.load(key_base + cols[:, None] * s_kn + dims[None, :], mask=inside[:, None], other=0.0)
+    score = tl.sum(k.to(tl.float32) * q[None, :], 1)
+    ok = selectable & (tl.abs(score) < float("inf"))  # NaN fails the comparison too
+    tl.store(scratch_row + slots, tl.where(ok, _score_key(score), -2147483648), mask=present)
+
+
+@triton.jit
+def _candidate_key_select(
+    heads_ptr, cand_ptr, out_ptr, scratch_ptr, heavy, candidates, s_hb, s_ca, s_ch, s_oa, s_oh,
+    HEADS: tl.constexpr, HEADS_INDEXED: tl.constexpr, C_PAD: tl.constexpr, TILE: tl.constexpr,
+    BY_HEAD: tl.constexpr,
+):
+    """Program (row-head pid): the columns of its top `heavy` keys, in candidate order, then NO_TOKEN (BY_HEAD: at
+    its head's entry of every selection head's output)."""
+    pid = tl.program_id(0)
+    i, _, head = _row_head(heads_ptr, heads_ptr, pid, s_hb, HEADS, False, HEADS_INDEXED)
+    entry = head if BY_HEAD else (pid % HEADS).to(tl.int64)
+    slots = tl.arange(0, C_PAD)
+    present = slots < candidates
+    key = tl.load(scratch_ptr + pid.to(tl.int64) * C_PAD + slots, mask=present, other=-2147483648)
+    cols = tl.load(cand_ptr + i * s_ca + entry * s_ch + slots, mask=present, other=-1)
+    _top_columns(out_ptr + i * s_oa + entry * s_oh, key, cols, heavy, TILE)
 
 
 def candidate_key_topk_triton(query: torch.Tensor, keys: torch.Tensor, heavy: int, candidates: torch.Tensor,
@@ -75,7 +84,7 @@ def candidate_key_topk_triton(query: torch.Tensor, keys: torch.Tensor, heavy: in
                               heads: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                               num_warps: int | None = None) -> torch.Tensor:
     """Same contract as `candidate_keys.candidate_key_topk` (``C <= MAX_CANDIDATES``; head dims 16..256, powers of
-    two); `num_warps` overrides the launch (tests, benchmark sweeps)."""
+    two); `num_warps` overrides the scoring launch's (tests, benchmark sweeps)."""
     count, width = candidates.shape[0], candidates.shape[-1]
     batch, q_heads, dim = query.shape
     by_head = out is not None
@@ -106,16 +115,18 @@ def candidate_key_topk_triton(query: torch.Tensor, keys: torch.Tensor, heavy: in
     pad = max(16, triton.next_power_of_2(width))
     programs = count * n_heads
     scratch = torch.empty(programs, pad, dtype=torch.int32, device=keys.device)
-    done = torch.zeros(programs, dtype=torch.int32, device=keys.device)
-    span = min(SPAN, max(TILE_C, pad))
-    _candidate_keys[(programs, triton.cdiv(width, span))](
-        query, keys, keys if rows is None else rows, keys if heads is None else heads,
-        keys if mask is None else mask, candidates, out, scratch, done, keys.shape[2], heavy, width,
-        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        heads.stride(0) if heads is not None else 0, mask.stride(0) if mask is not None else 0,
-        candidates.stride(0), candidates.stride(1), out.stride(0), out.stride(1),
-        HEADS=n_heads, ROWS_INDEXED=rows is not None, HEADS_INDEXED=heads is not None,
-        GROUP=q_heads // keys.shape[1], DIM=dim, HAS_MASK=mask is not None, SPAN_=span, TILE_C_=TILE_C, C_PAD=pad,
-        TILE=min(TAIL_TILE, pad), BY_HEAD=by_head, num_warps=num_warps or max(4, min(16, pad // 512)),
+    heads_arg = keys if heads is None else heads
+    heads_stride = heads.stride(0) if heads is not None else 0
+    flags = dict(HEADS=n_heads, HEADS_INDEXED=heads is not None, C_PAD=pad, BY_HEAD=by_head)
+    _candidate_key_scores[(programs, triton.cdiv(width, TILE_C))](
+        query, keys, keys if rows is None else rows, heads_arg, keys if mask is None else mask, candidates, scratch,
+        keys.shape[2], width, query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        heads_stride, mask.stride(0) if mask is not None else 0, candidates.stride(0), candidates.stride(1),
+        ROWS_INDEXED=rows is not None, GROUP=q_heads // keys.shape[1], DIM=dim, HAS_MASK=mask is not None,
+        TILE_C_=TILE_C, **flags, num_warps=num_warps or 4,
+    )
+    _candidate_key_select[(programs,)](
+        heads_arg, candidates, out, scratch, heavy, width, heads_stride, candidates.stride(0), candidates.stride(1),
+        out.stride(0), out.stride(1), TILE=min(TAIL_TILE, pad), **flags, num_warps=max(4, min(16, pad // 512)),
     )
     return out
