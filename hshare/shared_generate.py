@@ -9,8 +9,8 @@
 
 Falls back to the ordinary path (returns None) where sharing does not apply: the generate features
 that keep the prefix per row (`hshare.generate_features`: beams, assisted decoding, ``inputs_embeds``,
-a streamer, ``output_hidden_states``), a sliding window shorter than the sequence (the prefix must
-stay inside every row's window), no prefix worth sharing under the config's rule.
+a streamer, ``output_hidden_states``), a sliding window shorter than the sequence, as laid out or as the
+caller padded it (no key may leave a row's window), no prefix worth sharing under the config's rule.
 
 Sparse configs share under the same rule as dense ones: the prefix stays exact and the HShare
 budget applies to each row's own tokens (faster than a sparse prefix in every measured shape:
@@ -66,9 +66,11 @@ def generate_with_shared_prefix(model, generate, cache: HShareCache, args: tuple
     extra = layout.input_ids.shape[1] - ids.shape[1]  # the layout may be longer than the padded batch
     window = sliding_window(model.config)  # a config's window that no layer applies does not count
     if window is not None:
+        # a window counts columns: neither the layout's nor the caller's (whose padding and gaps may stretch a
+        # row) may reach past it, else keys leave a row's window where they would not in the other
         new_tokens = generation_setting(model, kwargs, "max_new_tokens")
-        total = layout.input_ids.shape[1] + (new_tokens if new_tokens is not None
-                                             else (generation_setting(model, kwargs, "max_length") or 0))
+        total = max(layout.input_ids.shape[1], ids.shape[1]) + (
+            new_tokens if new_tokens is not None else (generation_setting(model, kwargs, "max_length") or 0))
         if total > window:
             return None
 

@@ -138,20 +138,23 @@ def config_overrides(draw, preset: str, spec: ModelSpec, budget: int | None = No
     if not base.sparse:
         return {}
     streaming = base.budget.heavy == 0
+    keys = base.sharing.refine_by == "keys"  # ranks candidates: a heavy budget, one selection a KV head
     if budget is None:
         sink = draw(st.integers(0, 4))
         local = draw(st.integers(1, 6))
-        heavy = 0 if streaming else draw(st.integers(0, 10))
+        heavy = 0 if streaming else draw(st.integers(1 if keys else 0, 10))
     else:
         sink = draw(st.integers(0, min(4, budget - 1)))
         if streaming:
             local, heavy = budget - sink, 0
         else:
-            local = draw(st.integers(1, budget - sink))
+            local = draw(st.integers(1, budget - sink - (1 if keys and budget - sink > 1 else 0)))
             heavy = budget - sink - local
     out = dict(sink=sink, local=local, heavy=heavy,
-               selection=draw(st.sampled_from(["kv_head", "query_head"])),
+               selection="kv_head" if keys else draw(st.sampled_from(["kv_head", "query_head"])),
                plan_scope=draw(st.sampled_from(["batch", "sample"])))
+    if keys and heavy == 0:  # a budget of sink and one local token: no candidates to rank
+        out["refine_by"] = "labels"
     if draw(st.booleans()):  # query groups other than the preset's
         out["query_sharing"] = draw(st.sampled_from(["1", "1/2", "1/3"]))
     out["group_lookahead"] = draw(st.booleans())
@@ -318,14 +321,16 @@ def brute_force_prefix(prompts, levels: int, generate_rule: bool = True) -> Expe
 
 def stored_prefix(batch: "Batch", config, window: int | None, new_tokens: int) -> ExpectedPrefix | None:
     """The prefix ``generate`` holds once for `batch` under `config`: `brute_force_prefix` with
-    ``prefix="on"``, and none where a sliding window would drop prefix keys during the generation
-    (the batch laid out ``[level 1 | level 2 | gap | own]`` plus the new tokens exceeds it)."""
+    ``prefix="on"``, and none where a sliding window could drop a key during the generation (the batch
+    laid out ``[level 1 | level 2 | gap | own]``, or as padded with its gaps, plus the new tokens exceeds it:
+    a window counts columns)."""
     if config.prefix.mode != "on":
         return None
     expected = brute_force_prefix(batch.prompts, config.prefix.levels)
     if expected is None or window is None:
         return expected
-    return expected if sum(expected.widths) + expected.own_width + new_tokens <= window else None
+    width = max(sum(expected.widths) + expected.own_width, batch.tensors()[0].shape[1])
+    return expected if width + new_tokens <= window else None
 
 
 # ---- brute-force selection (pure Python, per row) -----------------------------------------------
@@ -602,6 +607,7 @@ class ExpectedStats:
     plans: int
     scored_tokens: int
     scored_pages: int
+    scored_keys: int
     kv_rows_read: int
     dense_kv_rows: int
     kv_rows_read_exact: bool  # False: kv_rows_read is an upper bound (see `expected_stats`)
@@ -643,8 +649,9 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
     source_heads = sources_for(config.sharing.head, sel)
     candidates = config.candidate_count  # C, 0 without refinement
     counts = dict(decode_steps=steps, sparse_steps=0, dense_fallback_steps=0, selection_steps=0,
-                  score_computations=0, refinements=0, plans=0, scored_tokens=0, scored_pages=0, kv_rows_read=0,
-                  dense_kv_rows=0)
+                  score_computations=0, refinements=0, plans=0, scored_tokens=0, scored_pages=0, scored_keys=0,
+                  kv_rows_read=0, dense_kv_rows=0)
+    by_keys = config.sharing.refine_by == "keys"
     for s in range(1, steps + 1):
         own, full = own_valid(s), full_valid(s)
         counts["dense_kv_rows"] += layers * kv_heads * sum(full)
@@ -671,6 +678,10 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
         counts["refinements"] += refinements
         if config.policy.name == "quest":  # refinements score every page (no candidate-only scores)
             counts["scored_pages"] += (scorings + refinements) * pages_for(own_width + s, config.policy.page_size)
+        elif by_keys:  # every head's C candidates ranked by their keys; with successors the walk ranks them by labels
+            again = candidates if config.sharing.successors else 0
+            counts["scored_tokens"] += scorings * (own_width + s + again)
+            counts["scored_keys"] += (scorings + refinements) * candidates
         else:  # a scoring scores every column, then (with candidates) its C candidates again, or (with
             # successors, a policy scoring candidates alone) its top C or heavy again to rank them
             again = (candidates or config.budget.heavy) if config.sharing.successors and config.policy.name == "labels" \
@@ -684,7 +695,7 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
 
 def assert_stats(stats, expected: ExpectedStats) -> None:
     for name in ("decode_steps", "sparse_steps", "dense_fallback_steps", "selection_steps", "score_computations",
-                 "refinements", "plans", "scored_tokens", "scored_pages", "dense_kv_rows"):
+                 "refinements", "plans", "scored_tokens", "scored_pages", "scored_keys", "dense_kv_rows"):
         assert getattr(stats, name) == getattr(expected, name), \
             f"stats.{name} = {getattr(stats, name)}, expected {getattr(expected, name)}"
     if expected.kv_rows_read_exact:

@@ -93,6 +93,25 @@ def test_mistral_shared_prefix_and_window_fallback():
     assert cache.prefix is None  # the prefix would leave the window: ordinary path
 
 
+def test_a_window_counts_the_callers_columns_too():
+    """A sliding window counts columns. Two rows of one 34-token prompt and 8 new tokens in a window of 43
+    columns: laid out compactly they fit (42), so the prefix is shared; when row 1 carries a gap of 6 masked
+    columns after its first token (row 0 left-padded by as many), the unpatched model drops that first token
+    from row 1's window at the last steps, so the prefix must not be shared there (the ordinary path, equal to
+    the unpatched model)."""
+    prompt = torch.cat((tokens(30), tokens(4)))
+    model = tiny_mistral(sliding_window=43)
+    ids, mask = left_pad([prompt, prompt])
+    compare_with_unpatched(model, ids, mask, expect_levels=[33])  # the whole prompt but each row's last token
+    gap = torch.zeros(6, dtype=prompt.dtype)
+    ids = torch.stack((torch.cat((gap, prompt)), torch.cat((prompt[:1], gap, prompt[1:]))))
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    mask[1, 1:7] = 0
+    cache = compare_with_unpatched(model, ids, mask)
+    assert cache.prefix is None
+
+
 def test_two_levels_rows_not_contiguous():
     model = tiny_llama()
     few_shot, q1, q2 = tokens(20), tokens(12), tokens(7)

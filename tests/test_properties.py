@@ -601,6 +601,10 @@ def test_static_shape_decode_equals_eager_decode(scenario):
                 again = ((count or config.budget.heavy) if config.sharing.successors else count) \
                     if scores_candidates else 0
                 refined = count if scores_candidates else static.reserve
+                if config.sharing.refine_by == "keys":  # C key rows a scoring and a refinement instead (the walk's
+                    # ranking of a scoring's C stays on the labels)
+                    again, refined = (again if config.sharing.successors else 0), 0
+                    assert ours.scored_keys == (ours.score_computations + ours.refinements) * count
                 expected = ours.score_computations * (static.reserve + again) + ours.refinements * refined
                 assert ours.scored_tokens == expected
 

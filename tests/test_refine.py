@@ -266,6 +266,8 @@ def test_config():
     assert HShareConfig().sharing.refine_by == "labels"
     assert HShareConfig(candidates=2, refine_by="keys").sharing.refine_by == "keys"
     assert HShareConfig.from_preset("dense").replace(refine_by="keys").sharing.refine_by == "keys"  # unused dense
+    two_stage = HShareConfig.from_preset("ds-keys@512")
+    assert (two_stage.sharing.refine_by, two_stage.candidate_count, two_stage.sharing.query_group) == ("keys", 1728, 1)
     with pytest.raises(ConfigError, match=r"sharing.refine_by = 'exact' is invalid.*accepted"):
         HShareConfig(candidates=2, refine_by="exact")
     with pytest.raises(ConfigError, match=r"refine_by = 'keys' without a candidate set is invalid.*accepted"):
