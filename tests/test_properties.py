@@ -258,9 +258,11 @@ def test_label_quantization_error_and_scores(case):
         assert int(unpacked.min()) >= 0 and int(unpacked.max()) <= levels
         deq = unpacked.double() * scale.double()[..., None] + zero.double()[..., None]
         torch.testing.assert_close(dequantize_labels(codes, scale, zero, bits, torch.float64), deq)
-        eps = torch.finfo(scale.dtype).eps
+        eps, tiny = torch.finfo(scale.dtype).eps, torch.finfo(scale.dtype).smallest_normal
         spread = (x.amax(-1) - x.amin(-1))[..., None]
-        bound = spread / levels * (0.5 + levels * eps) + x.abs().amax(-1, keepdim=True) * 2 * eps + 1e-12
+        # a subnormal scale (fp16 labels of a tiny spread) rounds to an absolute spacing, tiny x eps, x the codes
+        bound = spread / levels * (0.5 + levels * eps) + x.abs().amax(-1, keepdim=True) * 2 * eps + 1e-12 \
+            + levels * tiny * eps
         assert bool(((deq - x).abs() <= bound).all()), "dequantized label off by more than half a step"
     scores = label_scores(query, codes, scale, zero, bits)
     torch.testing.assert_close(scores.double(), query @ deq.transpose(-1, -2), rtol=1e-5, atol=1e-5)
