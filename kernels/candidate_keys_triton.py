@@ -6,8 +6,8 @@ Two launches:
    the KV head's query group (fp32), reads its candidates' key rows (each row whole: coalesced), scores them
    (``q . k`` in fp32) and writes their order-preserving int32 keys (`key_search_triton._score_key`; INT32_MIN:
    no candidate, outside the mask or a non-finite logit) to the row-head's slots of a scratch buffer. One tile a
-   program and few registers: many programs an SM keep the gathers in flight (`benchmarks/candidate_timing.py
-   --key-tiles`: 64 candidates a program beat 128-512 at B4 x 8 heads x 32k and B16 x 32 x 4k).
+   program and few registers: many programs an SM keep the gathers in flight (the tile chosen with
+   `benchmarks/candidate_timing.py --key-tiles`).
 2. `_candidate_key_select`, a program per row-head: its C keys from the scratch (L2) and the columns of its top
    `heavy` in candidate order (`key_search_triton._top_columns`, the label candidate top-k's search).
 
