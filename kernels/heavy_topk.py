@@ -6,8 +6,10 @@ one selectable window per ``A`` row, ``n`` up to `heavy_topk_triton.MAX_COLUMNS`
 launch (`heavy_topk_triton`), everything else (the CPU path, the test oracle, prefill's 4-D evidence
 and longer rows) to the twin `select_heavy_torch`, ``torch.topk``.
 
-The chosen *set* is the contract (ties at the k-th score may be broken either way); the order of the
-columns is not: the twin returns ``torch.topk``'s, the kernel ascending columns.
+The chosen *set* is the contract, ties at the k-th score going to the earliest columns (both the kernel and
+the twin), so that a step's choice does not depend on how many columns it scores (a static-shape step scores
+its reserved columns too); the order of the columns is not: the twin returns them by score, the kernel
+ascending.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def select_heavy(scores: torch.Tensor, selectable: torch.Tensor, heavy: int) -> 
 
     Returns:
         ``[B, H, ..., heavy]`` int64 columns, ``NO_TOKEN`` where the window holds fewer tokens
-        (a column with a non-finite score is never chosen: the others fill its place).
+        (a column with a non-finite score is never chosen: the others fill its place); among equal scores at
+        the heavy-th, the earliest columns.
     """
     if use_triton(scores):
         from .heavy_topk_triton import MAX_COLUMNS, select_heavy_triton
@@ -41,11 +44,12 @@ def select_heavy(scores: torch.Tensor, selectable: torch.Tensor, heavy: int) -> 
 
 
 def select_heavy_torch(scores: torch.Tensor, selectable: torch.Tensor, heavy: int) -> torch.Tensor:
-    """The twin of `select_heavy` (same contract), by ``torch.topk``."""
+    """The twin of `select_heavy` (same contract), by a stable sort (``torch.topk`` breaks ties either way)."""
     n = scores.shape[-1]
     masked = scores.masked_fill(~(selectable & torch.isfinite(scores)), float("-inf"))
     take = min(heavy, n)
-    values, columns = masked.topk(take, dim=-1, sorted=False)  # order is irrelevant; sorting costs
+    columns = masked.sort(dim=-1, descending=True, stable=True).indices[..., :take]  # equal scores: column order
+    values = masked.gather(-1, columns)
     columns = torch.where(torch.isfinite(values), columns, torch.full_like(columns, NO_TOKEN))
     if take < heavy:
         pad = torch.full((*columns.shape[:-1], heavy - take), NO_TOKEN, dtype=columns.dtype, device=columns.device)

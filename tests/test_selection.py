@@ -127,6 +127,21 @@ def test_select_heavy_pads_when_window_is_small():
     assert select_heavy(scores, middle, 4).tolist() == [[[2, 0, -1, -1]]]
 
 
+def test_select_heavy_breaks_ties_by_column_whatever_the_width():
+    """Equal scores at the heavy-th go to the earliest columns, so that scoring more (reserved, unselectable)
+    columns, as a static-shape step does, never changes the choice; -0.0 equals 0.0."""
+    scores = torch.tensor([[[0.0, 2.0, 0.0, -0.0, 0.0, 1.0]]])
+    middle = torch.tensor([[[True, True, True, True, True, False]]])
+    assert sorted(select_heavy(scores, middle, 3).flatten().tolist()) == [0, 1, 2]
+    wide = torch.cat((scores, torch.zeros(1, 1, 5)), -1)
+    wide_middle = torch.cat((middle, torch.zeros(1, 1, 5, dtype=torch.bool)), -1)
+    for heavy in range(1, 6):
+        narrow_set = sorted(select_heavy(scores, middle, heavy).flatten().tolist())
+        assert sorted(select_heavy(wide, wide_middle, heavy).flatten().tolist()) == narrow_set
+    assert sorted(select_heavy(torch.zeros(1, 1, 7), torch.ones(1, 1, 7, dtype=torch.bool), 4).flatten().tolist()) \
+        == [0, 1, 2, 3]
+
+
 def test_valid_columns_from_masks():
     assert valid_columns_from_mask(None, 2, 4, 1, torch.device("cpu")).all()
     causal = valid_columns_from_mask(None, 1, 4, 2, torch.device("cpu"))
