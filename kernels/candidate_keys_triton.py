@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .key_search_triton import _score_key, _top_columns
-from .label_topk_triton import MAX_CANDIDATES, TAIL_TILE, _row_head
+from .label_topk_triton import MAX_CANDIDATES, TAIL_TILE, _row_head, index_operands
 
 TILE_C = 64  # candidates (key rows) a scoring program scores
 
@@ -103,30 +103,19 @@ def candidate_key_topk_triton(query: torch.Tensor, keys: torch.Tensor, heavy: in
         return out
     query = query if query.stride(-1) == 1 else query.contiguous()
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
-    if heads is not None:
-        heads = heads.expand(count, heads.shape[-1])
-        heads = heads if heads.stride(-1) == 1 else heads.contiguous()
-    if rows is not None and not rows.is_contiguous():
-        rows = rows.contiguous()
-    mask = None
-    if selectable is not None:
-        mask = selectable.view(torch.uint8) if selectable.dtype == torch.bool else selectable.to(torch.uint8)
-        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+    rows, heads, mask, s_hb, s_mb, flags = index_operands(rows, heads, selectable, count, keys)
     pad = max(16, triton.next_power_of_2(width))
     programs = count * n_heads
     scratch = torch.empty(programs, pad, dtype=torch.int32, device=keys.device)
-    heads_arg = keys if heads is None else heads
-    heads_stride = heads.stride(0) if heads is not None else 0
-    flags = dict(HEADS=n_heads, HEADS_INDEXED=heads is not None, C_PAD=pad, BY_HEAD=by_head)
+    shape = dict(HEADS=n_heads, HEADS_INDEXED=flags["HEADS_INDEXED"], C_PAD=pad, BY_HEAD=by_head)
     _candidate_key_scores[(programs, triton.cdiv(width, TILE_C))](
-        query, keys, keys if rows is None else rows, heads_arg, keys if mask is None else mask, candidates, scratch,
-        keys.shape[2], width, query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        heads_stride, mask.stride(0) if mask is not None else 0, candidates.stride(0), candidates.stride(1),
-        ROWS_INDEXED=rows is not None, GROUP=q_heads // keys.shape[1], DIM=dim, HAS_MASK=mask is not None,
-        TILE_C_=TILE_C, **flags, num_warps=num_warps or 4,
+        query, keys, rows, heads, mask, candidates, scratch, keys.shape[2], width, query.stride(0), query.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2), s_hb, s_mb, candidates.stride(0), candidates.stride(1),
+        ROWS_INDEXED=flags["ROWS_INDEXED"], GROUP=q_heads // keys.shape[1], DIM=dim, HAS_MASK=selectable is not None,
+        TILE_C_=TILE_C, **shape, num_warps=num_warps or 4,
     )
     _candidate_key_select[(programs,)](
-        heads_arg, candidates, out, scratch, heavy, width, heads_stride, candidates.stride(0), candidates.stride(1),
-        out.stride(0), out.stride(1), TILE=min(TAIL_TILE, pad), **flags, num_warps=max(4, min(16, pad // 512)),
+        heads, candidates, out, scratch, heavy, width, s_hb, candidates.stride(0), candidates.stride(1),
+        out.stride(0), out.stride(1), TILE=min(TAIL_TILE, pad), **shape, num_warps=max(4, min(16, pad // 512)),
     )
     return out

@@ -264,12 +264,11 @@ def select_heavy_columns_torch(scores: torch.Tensor, selectable: torch.Tensor, h
 
 def _runs_triton(tensor: torch.Tensor, codes: torch.Tensor, bits: int, heavy: int, channels: int) -> bool:
     """Whether the Triton kernels take this call: their dtypes (no fp64), 4/8/16-bit labels with an even
-    channel count at 4 bits (16-bit: fp16 or bf16 codes, which is what they read), codes contiguous per token
-    (16-bit: or per channel), a nonempty cache and heavy budget."""
+    channel count at 4 bits, codes contiguous per token (16-bit: or per channel), a nonempty cache and heavy
+    budget."""
     laid_out = codes.stride(-1) == 1 or (bits == 16 and codes.stride(-2) == 1)
-    half = bits != 16 or codes.dtype in (torch.float16, torch.bfloat16)
     return (use_triton(tensor) and tensor.dtype != torch.float64 and bits in (4, 8, 16) and heavy > 0
-            and codes.shape[2] > 0 and laid_out and half and (bits != 4 or channels % 2 == 0))
+            and codes.shape[2] > 0 and laid_out and (bits != 4 or channels % 2 == 0))
 
 
 def _in_window(candidates: torch.Tensor, selectable: torch.Tensor | None) -> torch.Tensor:

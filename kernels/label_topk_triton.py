@@ -477,6 +477,26 @@ def sketch_levels(heavy: int, chunks: int) -> list[int]:
     return [min(share, heavy), min(2 * share, heavy), min(8 * share, heavy), heavy]
 
 
+def index_operands(rows: torch.Tensor | None, heads: torch.Tensor | None, selectable: torch.Tensor | None,
+                   count: int, placeholder: torch.Tensor) -> tuple:
+    """The row, head and mask operands of a launch over `count` rows, laid out for the kernels: ``(rows, heads
+    [A, H'], mask uint8, heads' row stride, mask's row stride, index flags)``; an absent one (rows or heads None:
+    every row or head in order; no mask) is `placeholder`, a tensor the kernels never read, with stride 0."""
+    flags = dict(ROWS_INDEXED=rows is not None, HEADS_INDEXED=heads is not None)
+    if heads is not None:
+        heads = heads.expand(count, heads.shape[-1])
+        heads = heads if heads.stride(-1) == 1 else heads.contiguous()  # any integer dtype; a shared row: stride 0
+    if rows is not None and not rows.is_contiguous():
+        rows = rows.contiguous()
+    mask = None
+    if selectable is not None:
+        mask = selectable.view(torch.uint8) if selectable.dtype == torch.bool else selectable.to(torch.uint8)
+        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+    return (placeholder if rows is None else rows, placeholder if heads is None else heads,
+            placeholder if mask is None else mask, 0 if heads is None else heads.stride(0),
+            0 if mask is None else mask.stride(0), flags)
+
+
 def _operands(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
               zero: torch.Tensor | None, bits: int, r: int, rows: torch.Tensor | None, heads: torch.Tensor | None,
               selectable: torch.Tensor | None, count: int) -> tuple:
@@ -488,23 +508,12 @@ def _operands(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, 
     load_bytes, column_words, word_words = _code_words(codes, bits, r)
     # a byte view (the kernels' pointer; their strides are computed from `codes`)
     code_bytes = (codes if codes.stride(-1) == 1 else codes.transpose(-1, -2)).view(torch.uint8)
-    flags = dict(ROWS_INDEXED=rows is not None, HEADS_INDEXED=heads is not None)
-    if heads is not None:
-        heads = heads.expand(count, heads.shape[-1])
-        heads = heads if heads.stride(-1) == 1 else heads.contiguous()  # any integer dtype; a shared row: stride 0
-    rows = codes if rows is None else rows if rows.is_contiguous() else rows.contiguous()
-    heads = codes if heads is None else heads
-    if selectable is not None:
-        mask = selectable.view(torch.uint8) if selectable.dtype == torch.bool else selectable.to(torch.uint8)
-        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
-    else:
-        mask = rows
+    rows, heads, mask, s_hb, s_mb, flags = index_operands(rows, heads, selectable, count, codes)
     scale = scale if scale is not None else codes  # 16-bit labels: the codes' dtype tells bf16 from fp16
     zero = zero if zero is not None else codes
     strides = (query.stride(0), query.stride(1), channels.stride(0), channels.stride(1),
                codes.stride(0) * codes.element_size(), codes.stride(1) * codes.element_size(), column_words, word_words,
-               scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1),
-               heads.stride(0) if flags["HEADS_INDEXED"] else 0, mask.stride(0) if selectable is not None else 0)
+               scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1), s_hb, s_mb)
     return code_bytes, scale, zero, rows, heads, mask, load_bytes, strides, flags
 
 
