@@ -361,6 +361,11 @@ class RuntimeConfig:
             generate, the weights move into one tensor per attention and the parameters become its rows,
             no copy kept; at its end each gets its own storage back); results equal the separate products
             up to the GEMM's order of summation. False = three products.
+        dependent_launch: inside those captured steps, on a GPU of compute capability 9 or newer (Hopper),
+            hshare's Triton kernels and the inductor-fused ones launch as programmatic dependent launches: each
+            is scheduled while the kernel before it drains and waits for it (``griddepcontrol.wait``) before it
+            touches memory (`kernels.dependent_launch`), which shortens the gaps between a replayed step's
+            dependent launches. Tokens are the same. False = ordinary launches.
         dense_fallback_mib: a decode step runs exact dense attention unless sparse attention saves at
             least this many MiB of K/V reads per layer, ``rows x (own columns - N_c) x`` K/V bytes per
             token (`hshare.step.StepPlanner.sparse_pays`; ``cache.planner.decision`` says what the last
@@ -377,11 +382,12 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     compile_elementwise: bool = True
     fuse_projections: bool = True
+    dependent_launch: bool = True
     dense_fallback_mib: float | None = None
     sparse_prefill: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("cuda_graphs", "compile_elementwise", "fuse_projections", "sparse_prefill"):
+        for name in ("cuda_graphs", "compile_elementwise", "fuse_projections", "dependent_launch", "sparse_prefill"):
             check_bool(f"runtime.{name}", getattr(self, name))
         mib = self.dense_fallback_mib
         if mib is not None:
@@ -417,7 +423,7 @@ OPTION_NAMES: dict[str, tuple[str, str]] = {
     "prefix_min_batch": ("prefix", "min_batch"), "prefix_min_saved_tokens": ("prefix", "min_saved_tokens"),
     "prefix_levels": ("prefix", "levels"),
     "cuda_graphs": ("runtime", "cuda_graphs"), "compile_elementwise": ("runtime", "compile_elementwise"),
-    "fuse_projections": ("runtime", "fuse_projections"),
+    "fuse_projections": ("runtime", "fuse_projections"), "dependent_launch": ("runtime", "dependent_launch"),
     "dense_fallback_mib": ("runtime", "dense_fallback_mib"), "sparse_prefill": ("runtime", "sparse_prefill"),
 }
 DEFAULT_POLICY = "labels"

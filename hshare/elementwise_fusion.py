@@ -33,13 +33,21 @@ import torch
 from hshare import patches
 
 _OPTIONS = {"emulate_precision_casts": True}  # round intermediates to the model's dtype as eager does
-_COMPILED: dict[Callable, Callable] = {}  # one compiled function per class forward / rotary function
+# one compiled function per class forward / rotary function and launch kind
+_COMPILED: dict[tuple[Callable, bool], Callable] = {}
 
 
-def _compiled(fn: Callable) -> Callable:
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, fullgraph=True, options=_OPTIONS)
-    return _COMPILED[fn]
+def _compiled(fn: Callable, dependent_launch: bool) -> Callable:
+    """`fn` compiled by inductor; `dependent_launch`: its kernels are programmatic dependent launches on Hopper
+    and newer (inductor's ``triton.enable_pdl``: each waits for the kernel before it before touching memory),
+    where this PyTorch's inductor has the option."""
+    if (fn, dependent_launch) not in _COMPILED:
+        import torch._inductor.config as inductor
+
+        has_pdl = getattr(inductor.triton, "enable_pdl", None) is not None
+        options = _OPTIONS | ({"triton.enable_pdl": dependent_launch} if has_pdl else {})
+        _COMPILED[fn, dependent_launch] = torch.compile(fn, fullgraph=True, options=options)
+    return _COMPILED[fn, dependent_launch]
 
 
 def _is_norm(module: torch.nn.Module) -> bool:
@@ -58,6 +66,8 @@ class ElementwiseFusion:
 
     Args:
         model: a transformers causal LM of the Llama family.
+        dependent_launch: the compiled kernels launch as programmatic dependent launches where the GPU
+            has them (``runtime.dependent_launch``).
 
     Attributes:
         modules: the norm and MLP modules whose forward is swapped (those without an instance-level
@@ -66,8 +76,9 @@ class ElementwiseFusion:
         compile_seconds: host seconds `warm_up` took (inductor compilation on first use).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, dependent_launch: bool = False) -> None:
         self.model = model
+        self.dependent_launch = dependent_launch
         self.modules = [m for m in model.modules()
                         if (_is_norm(m) or _is_dense_mlp(m)) and "forward" not in vars(m)]
         owners = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("Attention")}
@@ -79,9 +90,9 @@ class ElementwiseFusion:
         """The model's norms, MLPs and rotary embedding run compiled inside this block."""
         rotary = [(owner, owner.apply_rotary_pos_emb) for owner in self.rotary_owners]
         for module in self.modules:
-            module.forward = functools.partial(_compiled(type(module).forward), module)
+            module.forward = functools.partial(_compiled(type(module).forward, self.dependent_launch), module)
         for owner, original in rotary:
-            owner.apply_rotary_pos_emb = _compiled(original)
+            owner.apply_rotary_pos_emb = _compiled(original, self.dependent_launch)
         try:
             yield
         finally:

@@ -59,6 +59,7 @@ from hshare.generate_features import eager_reason, generation_setting
 from hshare.patches import sliding_window
 from hshare.selection import own_key_validity
 from hshare.step import DecodeStep
+from hshare.kernels.dependent_launch import dependent_launches
 
 # Static shapes off CUDA (no graphs: every step runs eagerly on the static buffers). Only tests turn
 # it on: it is the CPU check that static-shape decode gives eager decode's tokens.
@@ -256,6 +257,7 @@ class StaticDecoder:
             for fusion in (self.fusion, self.projections):
                 if fusion is not None:
                     fused.enter_context(fusion.active())
+            fused.enter_context(dependent_launches(self.cache.config.runtime.dependent_launch))
             return self.forward(**self.inputs, **self.constants, **{compat.CACHE_KWARG: self.cache},
                                 attention_mask=None, use_cache=True, return_dict=True).logits
 
@@ -303,7 +305,7 @@ class StaticDecoder:
         if not cache.config.runtime.compile_elementwise:
             self.report.fusion = "compile_elementwise=False"
             return
-        fusion = ElementwiseFusion(self.model)
+        fusion = ElementwiseFusion(self.model, dependent_launch=cache.config.runtime.dependent_launch)
         error = fusion.warm_up(cache.static.valid.shape[0])
         self.report.compile_seconds = fusion.compile_seconds
         self.report.fusion = error or "fused"

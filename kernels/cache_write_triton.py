@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .cache_write import check_kv_column
+from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 HEADS_PER_PROGRAM = 8  # heads one program copies (their keys and values: a few KiB at d = 128)
 
@@ -21,7 +22,9 @@ def _write_kv_column(
     ks_ptr, vs_ptr, column_ptr, k_ptr, v_ptr, heads,
     s_ksb, s_ksh, s_ksn, s_ksd, s_vsb, s_vsh, s_vsn, s_vsd, s_kb, s_kh, s_kd, s_vb, s_vh, s_vd,
     DIM: tl.constexpr, DIM_PAD: tl.constexpr, HEADS_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
     dims = tl.arange(0, DIM_PAD)
@@ -45,5 +48,5 @@ def write_kv_column_triton(key_storage: torch.Tensor, value_storage: torch.Tenso
         key_storage, value_storage, column, key, value, heads,
         *key_storage.stride(), *value_storage.stride(), *key.stride()[:2], key.stride(3), *value.stride()[:2],
         value.stride(3),
-        DIM=dim, DIM_PAD=triton.next_power_of_2(dim), HEADS_BLOCK=block,
+        DIM=dim, DIM_PAD=triton.next_power_of_2(dim), HEADS_BLOCK=block, **pdl_options(key_storage.device),
     )

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from .key_search_triton import _score_key, _top_columns
 from .label_topk_triton import MAX_CANDIDATES, TAIL_TILE, _row_head, index_operands
+from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 TILE_C = 64  # candidates (key rows) a scoring program scores
 
@@ -33,9 +34,11 @@ def _candidate_key_scores(
     s_qb, s_qh, s_kb, s_kh, s_kn, s_hb, s_mb, s_ca, s_ch,
     HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, GROUP: tl.constexpr,
     DIM: tl.constexpr, HAS_MASK: tl.constexpr, TILE_C_: tl.constexpr, C_PAD: tl.constexpr, BY_HEAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (row-head pid, tile): its tile's keys into the scratch ``[A * H', C_PAD]``. BY_HEAD: the candidates
     are every selection head's, the program's head's entry read (else its position among the row's heads)."""
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     tile = tl.program_id(1)
     i, row, head = _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS, ROWS_INDEXED, HEADS_INDEXED)
@@ -66,9 +69,11 @@ def _candidate_key_select(
     heads_ptr, cand_ptr, out_ptr, scratch_ptr, heavy, candidates, s_hb, s_ca, s_ch, s_oa, s_oh,
     HEADS: tl.constexpr, HEADS_INDEXED: tl.constexpr, C_PAD: tl.constexpr, TILE: tl.constexpr,
     BY_HEAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (row-head pid): the columns of its top `heavy` keys, in candidate order, then NO_TOKEN (BY_HEAD: at
     its head's entry of every selection head's output)."""
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     i, _, head = _row_head(heads_ptr, heads_ptr, pid, s_hb, HEADS, False, HEADS_INDEXED)
     entry = head if BY_HEAD else (pid % HEADS).to(tl.int64)
@@ -112,10 +117,11 @@ def candidate_key_topk_triton(query: torch.Tensor, keys: torch.Tensor, heavy: in
         query, keys, rows, heads, mask, candidates, scratch, keys.shape[2], width, query.stride(0), query.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), s_hb, s_mb, candidates.stride(0), candidates.stride(1),
         ROWS_INDEXED=flags["ROWS_INDEXED"], GROUP=q_heads // keys.shape[1], DIM=dim, HAS_MASK=selectable is not None,
-        TILE_C_=TILE_C, **shape, num_warps=num_warps or 4,
+        TILE_C_=TILE_C, **shape, num_warps=num_warps or 4, **pdl_options(keys.device),
     )
     _candidate_key_select[(programs,)](
         heads, candidates, out, scratch, heavy, width, s_hb, candidates.stride(0), candidates.stride(1),
         out.stride(0), out.stride(1), TILE=min(TAIL_TILE, pad), **shape, num_warps=max(4, min(16, pad // 512)),
+        **pdl_options(keys.device),
     )
     return out

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .gather_attention_triton import num_sms
+from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 BLOCK_T = 32  # tokens per tile
 MIN_SPLIT_TOKENS = 512  # a split streams at least this many tokens
@@ -25,7 +26,9 @@ def _channel_statistic(
     q_ptr, k_ptr, valid_ptr, part_ptr, tokens, tokens_per_split,
     s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_ps,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // Q_HEADS).to(tl.int64)
@@ -70,5 +73,6 @@ def channel_statistic_triton(query: torch.Tensor, keys: torch.Tensor, token_vali
         query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         valid.stride(0), part.stride(0),
         Q_HEADS=q_heads, GROUP=q_heads // kv_heads, DIM=dim, DIM_PAD=triton.next_power_of_2(dim), BLOCK=BLOCK_T,
+        **pdl_options(keys.device),
     )
     return part.sum(0).reshape(batch, q_heads, dim)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 
 @triton.jit
@@ -19,7 +20,9 @@ def _critical_indices(
     s_hb, s_hh, s_sb, s_lb, s_db, s_mb, s_ob, s_oh,
     HEADS: tl.constexpr, SINK: tl.constexpr, HEAVY: tl.constexpr, LOCAL: tl.constexpr,
     SINK_P: tl.constexpr, HEAVY_P: tl.constexpr, LOCAL_P: tl.constexpr, COUNT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     row = (pid // HEADS).to(tl.int64)
     head = pid % HEADS
@@ -71,6 +74,6 @@ def critical_indices_triton(heavy: torch.Tensor, sink: torch.Tensor, local: torc
         out.stride(0), out.stride(1),
         HEADS=heads, SINK=n_sink, HEAVY=n_heavy, LOCAL=n_local,
         SINK_P=max(1, triton.next_power_of_2(n_sink)), HEAVY_P=max(1, triton.next_power_of_2(n_heavy)),
-        LOCAL_P=max(1, triton.next_power_of_2(n_local)), COUNT=count is not None,
+        LOCAL_P=max(1, triton.next_power_of_2(n_local)), COUNT=count is not None, **pdl_options(out.device),
     )
     return out

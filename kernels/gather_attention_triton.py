@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .online_softmax_triton import finish_softmax, online_softmax_tile, start_softmax
+from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 BLOCK_N = 64  # gathered rows per tile
 
@@ -70,7 +71,9 @@ def _gather_attention_split(
     s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ib, s_ih,
     SEL_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     DIM: tl.constexpr, BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     gather_split_program(q_ptr, k_ptr, v_ptr, idx_ptr, part_out_ptr, part_lse_ptr, tl.program_id(0), tl.program_id(1),
                          scale_log2, n_keys, budget, tiles_per_split, 0, num_splits,
                          s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ib, s_ih,
@@ -95,7 +98,9 @@ def _merge_splits(
     part_out_ptr, part_lse_ptr, prior_out_ptr, prior_lse_ptr, out_ptr, lse_ptr, units, num_splits, prior_splits,
     HAS_PRIOR: tl.constexpr, SPLITS_PAD: tl.constexpr, PRIOR_PAD: tl.constexpr, DIM: tl.constexpr,
     ROWS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # units b * Hq + h
     row_ok = rows < units
     outs, lse = _load_states(part_out_ptr, part_lse_ptr, rows, row_ok, num_splits, SPLITS_PAD, DIM)
@@ -201,7 +206,7 @@ def merge_parts(query: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Ten
     _merge_splits[(triton.cdiv(units, rows),)](
         part_out, part_lse, prior_out, prior_lse, out, lse, units, num_splits, prior_splits,
         HAS_PRIOR=partial is not None, SPLITS_PAD=splits_pad, PRIOR_PAD=prior_pad, DIM=dim, ROWS=rows,
-        **launch_options(num_warps, None),
+        **launch_options(num_warps, None), **pdl_options(out.device),
     )
     return out, lse
 
@@ -222,6 +227,6 @@ def gather_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: tor
     part_lse = torch.empty(batch, q_heads, launch.num_splits, device=query.device, dtype=torch.float32)
     _gather_attention_split[(launch.programs, launch.num_splits)](
         *launch.tensors, part_out, part_lse, *launch.scalars, launch.num_splits, *launch.strides,
-        **launch.constexprs, **launch_options(num_warps, num_stages),
+        **launch.constexprs, **launch_options(num_warps, num_stages), **pdl_options(part_out.device),
     )
     return merge_parts(query, part_out, part_lse, partial)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .key_search_triton import _score_key
+from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 MAX_COLUMNS = 32768  # a row in registers: 64 columns per thread at 16 warps; longer rows use the twin
 
@@ -36,7 +37,9 @@ def _heavy_topk(
     scores_ptr, selectable_ptr, out_ptr, n, heavy,
     s_sa, s_sh, s_ma, s_oa, s_oh,
     HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     a = (pid // HEADS).to(tl.int64)
     h = (pid % HEADS).to(tl.int64)
@@ -82,7 +85,7 @@ def select_heavy_triton(scores: torch.Tensor, selectable: torch.Tensor, heavy: i
         scores, selectable, out, n, heavy,
         scores.stride(0), scores.stride(1), selectable.stride(0), out.stride(0), out.stride(1),
         HEADS=heads, BLOCK_N=block, BLOCK_K=max(16, triton.next_power_of_2(heavy)), 
-        num_warps=num_warps or default_warps(block),
+        num_warps=num_warps or default_warps(block), **pdl_options(out.device),
     )
     return out
 

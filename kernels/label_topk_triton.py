@@ -55,6 +55,7 @@ from .key_search_triton import (SENTINEL, _exact_threshold, _fill_empty, _first_
 from .gather_attention_triton import num_sms
 from .labels_triton import _label_scores, kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
+from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 CHUNK = 4096  # columns per program (and the longest row done in one launch)
 MAX_CHUNKS = 64  # longer rows take longer chunks (the bound L compares every sketch key with every chunk's)
@@ -219,8 +220,10 @@ def _label_topk_sketch(
     BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr,
     FROM_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
     SINGLE: tl.constexpr, CHUNK_: tl.constexpr, LEVELS_: tl.constexpr, SKETCH_: tl.constexpr, TILE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (row-head pid, chunk): the chunk's sketch, or with SINGLE (one chunk) the row's columns."""
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     cols, key = _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr,
@@ -295,6 +298,7 @@ def _label_candidates(
     BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr,
     HAS_MASK: tl.constexpr,
     C_PAD: tl.constexpr, TILE: tl.constexpr, WALK: tl.constexpr, ASCENDING: tl.constexpr, BY_HEAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (row-head pid): the row-head's candidates' keys (a negative column, one outside the mask or
     scored non-finite has none), then its top `heavy` columns in candidate order, or (WALK, with the mask:
@@ -302,6 +306,7 @@ def _label_candidates(
     `heavy` = candidates; ASCENDING: the candidates are ascending, then negative, so not sorted into column
     order). BY_HEAD: the candidates and the output are every selection head's, and the program reads and writes
     its own head's entry (else its position among the row's heads)."""
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     i, row, head = _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS, ROWS_INDEXED, HEADS_INDEXED)
     entry = head if BY_HEAD else (pid % HEADS).to(tl.int64)
@@ -324,9 +329,11 @@ def _label_topk_select(
     sketch_ptr, done_ptr, list_ptr, cand_ptr, out_ptr, heavy, chunk_cap, cand_stride,
     CHUNKS_PAD: tl.constexpr, LEVELS_: tl.constexpr, SKETCH_: tl.constexpr, TILE: tl.constexpr,
     LIST_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (row-head pid, chunk): the chunk's candidates (from its list); the row-head's last program, its
     columns."""
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -608,7 +615,7 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
         HEADS=n_heads, R=r, R_PAD=triton.next_power_of_2(r), BITS=bits, LOAD_BYTES=load_bytes, GROUP=group, **flags,
         PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None, C_PAD=pad,
         TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, BY_HEAD=by_head, num_warps=num_warps or warps,
-        **options,
+        **options, **pdl_options(codes.device),
     )
     return out, best
 
@@ -660,6 +667,7 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
         _label_topk_sketch[(row_heads, 1)](
             labels, query, channels, code_bytes, scale_t, zero_t, rows, heads, window_t, mask_t,
             out, out, out, out, n, heavy, 0, *levels, *strides, SINGLE=True, num_warps=warps, **common, **options,
+            **pdl_options(out.device),
         )
         return out
     sketch = torch.empty(row_heads, chunks, SKETCH, dtype=torch.int32, device=device)
@@ -671,10 +679,12 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     _label_topk_sketch[(row_heads, chunks)](
         labels, query, channels, code_bytes, scale_t, zero_t, rows, heads, window_t, mask_t,
         sketch, done, lists, out, n, heavy, chunk_cap, *levels, *strides, SINGLE=False, num_warps=warps, **common, **options,
+        **pdl_options(out.device),
     )
     _label_topk_select[(row_heads, chunks)](
         sketch, done, lists, cand, out, heavy, chunk_cap, cand_stride,
         CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), LEVELS_=LEVELS, SKETCH_=SKETCH, TILE=tile,
         LIST_PAD=max(16, triton.next_power_of_2(chunk_cap)), num_warps=tail_warps or warps, **options,
+        **pdl_options(out.device),
     )
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 BLOCK_T = 128  # tokens per program
 
@@ -55,7 +56,9 @@ def _score_heads(
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_sb, s_sh, s_zb, s_zh, s_hb,
     HEADS: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
     GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, FROM_QUERY: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     tile = tl.program_id(1)
     i = pid // HEADS
@@ -110,7 +113,7 @@ def score_heads_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, s
         codes.stride(0), codes.stride(1), codes.stride(2),
         scale_t.stride(0), scale_t.stride(1), zero_t.stride(0), zero_t.stride(1), heads.stride(0),
         HEADS=n_heads, R=channels_count, BITS=bits, BLOCK=BLOCK_T, GROUP=group,
-        PER_ROW_CHANNELS=from_query and channels.shape[0] > 1, FROM_QUERY=from_query,
+        PER_ROW_CHANNELS=from_query and channels.shape[0] > 1, FROM_QUERY=from_query, **pdl_options(out.device),
     )
     return out
 
@@ -135,8 +138,10 @@ def _append_labels(
     SEL_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr, R: tl.constexpr,
     BITS: tl.constexpr, LEVELS: tl.constexpr, STORE: tl.constexpr, HAS_COLUMN: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (row, selection head, tile of BLOCK tokens): the tile's labels, one token per lane row."""
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     token = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = token < tokens
@@ -219,5 +224,5 @@ def append_labels_triton(new_keys: torch.Tensor, channels: torch.Tensor, bits: i
         scale_out.stride(2), zero_out.stride(0), zero_out.stride(1), zero_out.stride(2),
         SEL_HEADS=sel_heads, KV_HEADS=kv_heads, PER_ROW_CHANNELS=per_row > 1, R=r, BITS=bits,
         LEVELS=(1 << bits) - 1, STORE={torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[scale_out.dtype],
-        HAS_COLUMN=column is not None, BLOCK=block,
+        HAS_COLUMN=column is not None, BLOCK=block, **pdl_options(codes_out.device),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 BLOCK_PAGES = 64  # pages per program
 
@@ -21,8 +22,10 @@ def _page_scores(
     s_qb, s_qh, s_lb, s_lh, s_lp, s_hb, s_hh, s_hp, s_sb,
     HEADS: tl.constexpr, SEL_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (row-head pid, page block): the scores of BLOCK pages."""
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     i = (pid // HEADS).to(tl.int64)
     row = tl.load(rows_ptr + i).to(tl.int64)
@@ -64,6 +67,6 @@ def page_scores_triton(query: torch.Tensor, low: torch.Tensor, high: torch.Tenso
         query.stride(0), query.stride(1), low.stride(0), low.stride(1), low.stride(2),
         high.stride(0), high.stride(1), high.stride(2), heads.stride(0),
         HEADS=n_heads, SEL_HEADS=sel_heads, KV_HEADS=kv_heads, GROUP=q_heads // sel_heads,
-        DIM=dim, DIM_PAD=max(16, triton.next_power_of_2(dim)), BLOCK=block, num_warps=4,
+        DIM=dim, DIM_PAD=max(16, triton.next_power_of_2(dim)), BLOCK=block, num_warps=4, **pdl_options(out.device),
     )
     return out

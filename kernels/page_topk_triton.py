@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .critical_indices import NO_TOKEN
 from .key_search_triton import _exact_threshold, _fill_empty, _first_value, _score_key, _sum_min_max
+from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 BLOCK_COLUMNS = 16384  # window columns counted at once
 BLOCK_TAKEN = 64  # taken pages written at once
@@ -44,7 +45,9 @@ def _page_heavy(
     scores_ptr, sel_ptr, shift_ptr, out_ptr, work_ptr, pages, n, heavy, s_sel,
     HEADS: tl.constexpr, SIZE: tl.constexpr, SIZE_PAD: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, TILE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0).to(tl.int64)
     row = pid // HEADS
     shift = tl.load(shift_ptr + row)
@@ -124,6 +127,6 @@ def page_heavy_triton(scores: torch.Tensor, selectable: torch.Tensor, shift: tor
         scores, flags, shift, out, work, pages, n, heavy, flags.stride(0),
         HEADS=width, SIZE=page_size, SIZE_PAD=size_pad, P_PAD=p_pad,
         BLOCK_P=min(max(16, BLOCK_COLUMNS // size_pad), p_pad), BLOCK_T=BLOCK_TAKEN, TILE=min(1024, p_pad),
-        num_warps=4 if p_pad <= 1024 else 8 if p_pad <= 4096 else 16,
+        num_warps=4 if p_pad <= 1024 else 8 if p_pad <= 4096 else 16, **pdl_options(out.device),
     )
     return out

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .gather_attention_triton import launch_options, num_sms, upcast_dot
 from .online_softmax_triton import finish_softmax, online_softmax_tile, start_softmax
+from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 # which rows a group holds (the programs' MEMBERS): rows 0..width-1 (one group, no table), a members
 # table ``[G, width]`` (-1: no row), or row g alone (split decode: a row's own keys are its group's level)
@@ -80,7 +81,9 @@ def prefix_attention_split(
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PER_KV: tl.constexpr, DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MEMBERS: tl.constexpr, HAS_VALID: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     prefix_split_program(q_ptr, k_ptr, v_ptr, members_ptr, valid_ptr, part_out_ptr, part_lse_ptr,
                          tl.program_id(0), tl.program_id(1), tl.program_id(2),
                          scale_log2, width, length, tiles_per_split, 0, num_splits,
@@ -179,5 +182,6 @@ def shared_prefix_decode_states_triton(query: torch.Tensor, keys: torch.Tensor, 
     prefix_attention_split[launch.grid](
         *launch.tensors, part_out, part_lse, *launch.scalars, launch.num_splits, *launch.strides,
         **launch.constexprs, **launch_options(num_warps, num_stages or (launch.num_stages if query.is_cuda else None)),
+        **pdl_options(part_out.device),
     )
     return part_out, part_lse

@@ -21,6 +21,7 @@ import triton.language as tl
 from .gather_attention_triton import BLOCK_N, GatherLaunch, gather_split_program, launch_options, merge_parts, \
     num_sms, plan_gather
 from .prefix_attention_triton import PrefixLaunch, new_parts, plan_prefix, prefix_split_program
+from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 
 @triton.jit
@@ -36,7 +37,9 @@ def _shared_decode_split(
     P_UPCAST_DOT: tl.constexpr,
     G_SEL_HEADS: tl.constexpr, G_KV_HEADS: tl.constexpr, G_GROUP: tl.constexpr, G_GROUP_PAD: tl.constexpr,
     G_DIM: tl.constexpr, G_BLOCK: tl.constexpr, G_UPCAST_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     total_splits = prefix_splits + own_splits
     if pid < prefix_programs:  # (query tile, group x KV head, split), split fastest
@@ -89,4 +92,5 @@ def launch_shared_decode(prefix: PrefixLaunch, own: GatherLaunch, part_out: torc
         **{f"P_{name}": value for name, value in prefix.constexprs.items()},
         **{f"G_{name}": value for name, value in own.constexprs.items()},
         **launch_options(num_warps, num_stages or (prefix.num_stages if part_out.is_cuda else None)),
+        **pdl_options(part_out.device),
     )

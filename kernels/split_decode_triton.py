@@ -23,6 +23,7 @@ import triton
 
 from .gather_attention_triton import launch_options, merge_parts, num_sms
 from .prefix_attention_triton import prefix_attention_split, new_parts, plan_prefix
+from .dependent_launch import pdl_options
 from .split_decode import check_split_decode
 
 BLOCK_N = 32  # keys per tile (`benchmarks/split_decode.py --sweep` on the H100)
@@ -66,6 +67,7 @@ def split_decode_attention_triton(query: torch.Tensor, key: torch.Tensor, value:
     prefix_attention_split[launch.grid](
         *launch.tensors, part_out, part_lse, *launch.scalars, launch.num_splits, *launch.strides,
         **launch.constexprs, **launch_options(num_warps, stages if query.is_cuda else None),
+        **pdl_options(part_out.device),
     )
     out, lse = merge_parts(query, part_out, part_lse, None)
     return (out, lse) if return_lse else out

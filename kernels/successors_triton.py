@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .key_search_triton import _exact_threshold, _moments, _probit, _score_key
+from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 COLUMN_BITS = 24  # columns < 2**24 in the packed sort key
 
@@ -95,7 +96,9 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
 def _with_successors(
     columns_ptr, scores_ptr, window_ptr, out_ptr, best_ptr, n, top, s_cb, s_ch, s_sb, s_sh, s_wb, s_ob, s_oh,
     HEADS: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     row = (pid // HEADS).to(tl.int64)
     head = pid % HEADS
@@ -127,6 +130,6 @@ def with_successors_triton(columns: torch.Tensor, scores: torch.Tensor, window: 
     _with_successors[(batch * heads,)](
         columns, scores, window, out, best, window.shape[-1], top, columns.stride(0), columns.stride(1),
         scores.stride(0), scores.stride(1), window.stride(0), out.stride(0), out.stride(1),
-        HEADS=heads, K=k, K_P=triton.next_power_of_2(max(k, top, 2)),
+        HEADS=heads, K=k, K_P=triton.next_power_of_2(max(k, top, 2)), **pdl_options(out.device),
     )
     return out, best

@@ -9,7 +9,8 @@ all pass there and fail at the first launch on a GPU. This catches them on a mac
    constexpr values and launch options; a few per kernel).
 2. Compile: ``python tests/hopper_compile.py <file>`` (without ``TRITON_INTERPRET``) builds each one for
    ``GPUTarget("cuda", 90, 32)`` down to a cubin (Triton bundles ptxas; no GPU, no driver) and exits 1 naming
-   every kernel that does not compile.
+   every kernel that does not compile. A kernel that takes a ``PDL`` constexpr is built as a decode step
+   launches it on such a GPU: ``PDL=True`` with ``launch_pdl`` (`kernels.dependent_launch`).
 
 ``make test`` does both: the whole suite records, then every kernel it ran is compiled.
 """
@@ -100,9 +101,12 @@ def compile_all(records: dict) -> list[str]:
                     constants[param.name] = given["value"]
                 else:
                     signature[param.name] = given["type"]
+            options = spec["options"]
+            if "PDL" in constexpr:  # as a decode step on the GPU launches it (`kernels.dependent_launch`)
+                signature["PDL"], constants["PDL"], options = "constexpr", True, {**options, "launch_pdl": True}
             try:
                 triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=target,
-                               options=spec["options"])
+                               options=options)
             except Exception as error:  # noqa: BLE001 - every compiler error is reported, none raised
                 first = str(error).strip().splitlines()
                 failures.append(f"{kernel} {constants} {spec['options']}: {type(error).__name__}: "

@@ -33,9 +33,11 @@ def test_hooked_modules_left_alone():
 
 
 def test_active_swaps_and_restores(monkeypatch):
-    compiled, calls = {}, {}
+    compiled, calls, launches = {}, {}, set()
 
-    def fake_compile(fn):
+    def fake_compile(fn, dependent_launch):
+        launches.add(dependent_launch)
+
         def call(*args, **kwargs):
             calls[fn] = calls.get(fn, 0) + 1
             return fn(*args, **kwargs)
@@ -43,7 +45,7 @@ def test_active_swaps_and_restores(monkeypatch):
 
     monkeypatch.setattr(elementwise_fusion, "_compiled", fake_compile)
     model = tiny_llama(layers=2)
-    fusion = ElementwiseFusion(model)
+    fusion = ElementwiseFusion(model, dependent_launch=True)
     original = modeling_llama.apply_rotary_pos_emb
     ids = torch.randint(3, VOCAB, (2, 9))
     with torch.no_grad():
@@ -54,6 +56,7 @@ def test_active_swaps_and_restores(monkeypatch):
             assert torch.equal(model(ids).logits, reference)
     norm, mlp = type(model.model.norm), type(model.model.layers[0].mlp)
     assert calls == {original: 2, norm.forward: 5, mlp.forward: 2}  # the swapped functions are the ones called
+    assert launches == {True}  # every piece compiled for dependent launches, as asked
     assert modeling_llama.apply_rotary_pos_emb is original
     assert all("forward" not in vars(m) for m in fusion.modules)
     with pytest.raises(RuntimeError), fusion.active():  # restored on an error too
@@ -62,7 +65,7 @@ def test_active_swaps_and_restores(monkeypatch):
 
 
 def test_warm_up_reports_a_compile_error(monkeypatch):
-    def broken(fn):
+    def broken(fn, dependent_launch):
         def call(*args, **kwargs):
             raise RuntimeError("no compiler")
         return call
@@ -71,6 +74,17 @@ def test_warm_up_reports_a_compile_error(monkeypatch):
     fusion = ElementwiseFusion(tiny_llama(layers=1))
     assert fusion.warm_up(rows=2) == "RuntimeError: no compiler"
     assert modeling_llama.apply_rotary_pos_emb is not None and all("forward" not in vars(m) for m in fusion.modules)
+
+
+@pytest.mark.parametrize("dependent_launch", [False, True])
+def test_compiled_asks_inductor_for_dependent_launches_or_not(monkeypatch, dependent_launch):
+    asked = []
+    monkeypatch.setattr(elementwise_fusion, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, fullgraph, options: asked.append(options) or fn)
+    fn = lambda x: x + 1  # noqa: E731
+    assert elementwise_fusion._compiled(fn, dependent_launch) is fn
+    assert elementwise_fusion._compiled(fn, dependent_launch) is fn  # compiled once per function and launch kind
+    assert asked == [{"emulate_precision_casts": True, "triton.enable_pdl": dependent_launch}]
 
 
 @pytest.mark.slow  # inductor compiles three graphs with the C++ compiler (~30 s on 2 cores)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hshare
-from hshare import static_decode
+from hshare import elementwise_fusion, static_decode
 from conftest import VOCAB, left_pad, left_padded, tiny_llama, tiny_mistral
 from test_static_decode import _generate, _run
 
@@ -188,6 +188,31 @@ def test_fused_elementwise_equals_unfused_float32(preset):
     attention = model.model.layers[0].self_attn  # stacked for the generate only: each its own storage again
     assert len({p.weight.untyped_storage().data_ptr() for p in (attention.q_proj, attention.k_proj,
                                                                  attention.v_proj)}) == 3
+
+
+@pytest.mark.parametrize("preset", ["dense", "hshare-1_2-1_2-1_2", "hshare-refine-successors", "quest", "ds-keys"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dependent_launches_equal_ordinary_launches(monkeypatch, preset, dtype):
+    """Programmatic dependent launches (`runtime.dependent_launch`, on by default: hshare's kernels and the
+    inductor-fused ones) run the same kernels in the same order as ordinary launches: the same logits, bit for
+    bit, at every step; on a GPU before Hopper both runs launch ordinarily. Inductor compiles both variants
+    afresh (a function it has seen at other shapes recompiles with dynamic shapes, another reduction order)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(elementwise_fusion, "_COMPILED", {})
+    model = tiny_llama(kv_heads=2, layers=4, dtype=dtype).cuda()
+    ids, mask = _batch([60, 44, 51, 37])
+    overrides = {} if preset == "dense" else dict(sink=2, local=4, heavy=6, dense_fallback_mib=0)
+    logits = {}
+    for on in (False, True):
+        hshare.patch(model, preset, dependent_launch=on, **overrides)
+        cache = hshare.new_cache(model)
+        out = _generate(model, ids, mask, new_tokens=12, past_key_values=cache, output_logits=True,
+                        return_dict_in_generate=True)
+        hshare.unpatch(model)
+        report = cache.static_decode
+        assert report.reason == "" and report.fusion == "fused" and report.graphed_steps >= 9, report
+        logits[on] = torch.stack(out.logits)
+    assert torch.equal(logits[True], logits[False])
 
 
 def test_fused_elementwise_bfloat16_close_to_unfused():
