@@ -67,6 +67,10 @@ def _bench(args: argparse.Namespace) -> int:
         return 0
     if args.what == "generate":
         paths = tuple(args.paths.split(",")) if args.paths else bench.generate.PATHS
+        try:
+            bench.generate.check_paths(paths)
+        except ValueError as error:
+            raise SystemExit(f"hshare bench generate --paths: {error}") from None
         bench.main_generate(Path(args.out), args.shape, args.batch, args.prompt, args.new_tokens, paths, args.shared,
                             args.layers, args.smoke,
                             {} if args.dense_fallback_mib is None else {"dense_fallback_mib": args.dense_fallback_mib},

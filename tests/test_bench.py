@@ -1,5 +1,6 @@
 """The benchmarks run end to end (tiny shapes on the CPU) and write what they promise."""
 
+import dataclasses
 import json
 
 import pytest
@@ -204,6 +205,43 @@ def test_grid_smoke_runs_paths_with_overrides(tmp_path):
     assert sorted({(row["path"], row["batch"], row["prompt"]) for row in rows}) == sorted(
         (path, batch, prompt) for path in paths.split(",") for batch in (1, 2) for prompt in (40, 80))
     assert all(not row["error"] and row["decode_tok_s"] > 0 for row in rows)
+
+
+def test_rounds_alternate_the_order_and_keep_every_run(monkeypatch):
+    """``rounds=3``: the paths measured A B, B A, A B in one process (``static`` once); each row keeps its three
+    rounds' runs and their median; a path that fails in a later round keeps its rounds and says so; a path given
+    twice is refused (one row is kept per path)."""
+    calls = []
+    rates = {"dense": iter([5.0, 1.0, 3.0]), "ds@16": iter([2.0, 4.0, 6.0]), "unpatched": iter([7.0, 8.0])}
+
+    def measure(model, path, ids, mask, new_tokens, *args, **kwargs):
+        calls.append(path)
+        rate = next(rates[path], None)
+        if rate is None:
+            raise RuntimeError("broke")
+        row = generate.failed_row("tiny", path, ids.shape[0], ids.shape[1], new_tokens, False, "")
+        return dataclasses.replace(row, decode_tok_s=rate, decode_tok_s_runs=[rate], peak_gib=rate), \
+            torch.zeros(ids.shape[0], new_tokens, dtype=torch.long)
+
+    monkeypatch.setattr(generate, "measure_path", measure)
+    rows = generate.bench_cells("tiny", [(2, 40)], 4, ("dense", "ds@16", "unpatched"), device="cpu",
+                                dtype=torch.float32, rounds=3, static_process=False)
+    assert calls == ["dense", "ds@16", "unpatched", "unpatched", "ds@16", "dense", "dense", "ds@16", "unpatched"]
+    by_path = {row.path: row for row in rows}
+    assert [row.path for row in rows] == ["dense", "ds@16", "unpatched"]
+    assert by_path["dense"].decode_tok_s_runs == [5.0, 1.0, 3.0] and by_path["dense"].decode_tok_s == 3.0
+    assert by_path["ds@16"].decode_tok_s == 4.0 and by_path["ds@16"].peak_gib == 6.0 and not by_path["ds@16"].error
+    assert by_path["unpatched"].decode_tok_s_runs == [7.0, 8.0] and by_path["unpatched"].decode_tok_s == 7.0
+    assert by_path["unpatched"].error == "round failed: RuntimeError: broke"
+    assert generate._turns(["a", "b", "static"], 3) == ["a", "b", "static", "b", "a", "a", "b"]
+    with pytest.raises(ValueError, match="paths dense given more than once; accepted: each path once"):
+        generate.bench_cells("tiny", [(2, 40)], 4, ("dense", "ds@16", "dense"), device="cpu")
+    with pytest.raises(ValueError, match="rounds=0; accepted: at least 1"):
+        generate.bench_cells("tiny", [(2, 40)], 4, ("dense",), device="cpu", rounds=0)
+    with pytest.raises(SystemExit, match="paths dense given more than once"):
+        grid.main(["--smoke", "--paths", "dense,dense"])
+    with pytest.raises(SystemExit, match="paths dense given more than once"):
+        cli.main(["bench", "generate", "--smoke", "--paths", "dense,dense"])
 
 
 def _row(path: str, batch: int, prompt: int, rate: float, peak: float = 20.0, error: str = "") -> GenerateRow:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import gc
 import json
 import multiprocessing
@@ -458,9 +459,9 @@ def bench_cells(shape: str, cells: list[tuple[int, int]], new_tokens: int, paths
                 layers: int | None = None, device: str = "cuda", dtype=torch.bfloat16, overrides: dict | None = None,
                 placement: Placement | None = None, progress=None, repeats: int = 1, timing: str = "pairs",
                 padded: bool = True, free_bytes: float | None = None, static_process: bool | None = None,
-                deadline: float | None = None) -> list[GenerateRow]:
+                deadline: float | None = None, rounds: int = 1) -> list[GenerateRow]:
     """Every path at each ``(rows, prompt)`` of `cells`, on one model of `shape` built for the longest
-    prompt; rows in cell order, each cell's in the order of `paths`.
+    prompt; rows in cell order, each cell's in the order of `paths` (each path once).
 
     Args:
         shared: all rows of a cell are one prompt (the shared prefix held once).
@@ -475,7 +476,14 @@ def bench_cells(shape: str, cells: list[tuple[int, int]], new_tokens: int, paths
         static_process: run ``static`` in a process of its own, before this process builds its model
             (None: on one CUDA device); else it runs after the cell's other paths.
         deadline: a ``time.monotonic()`` value; a path not started by then is not run (its row says so).
+        rounds: the cell's patched and unpatched paths are measured this many times in turn, in the order
+            given, then reversed, and so on (A B C, C B A, A B C...), so that the order of paths in a process and
+            its drift weigh on every path alike; a row keeps every round's runs (``decode_tok_s_runs``) and
+            their median (`add_round`). ``static`` runs once.
     """
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}; accepted: at least 1")
+    check_paths(paths)
     placement = placement or Placement()
     one_device = not placement.label
     on_cuda = device == "cuda" and torch.cuda.is_available()
@@ -529,10 +537,14 @@ def bench_cells(shape: str, cells: list[tuple[int, int]], new_tokens: int, paths
         ids, mask = prompts[cell]
         # the same prompts on every rank (made alike from one seed; rank 0's broadcast to be sure)
         ids, mask = multi_gpu.broadcast(ids.to(model.device)), multi_gpu.broadcast(mask.to(model.device))
-        for path in order:
+        for path in _turns(order, rounds):
+            first = measured[cell].get(path)
+            if first is not None and (first[0].error or not first[0].decode_tok_s_runs):
+                continue  # a path skipped, refused or failed in the first round is not tried again
             failed = skipped(cell, path)
             if failed is not None:
-                record(cell, path, failed, None)
+                if first is None:  # a later round past the deadline keeps the rounds measured
+                    record(cell, path, failed, None)
                 continue
             failed = failed_row(shape, path, *cell, new_tokens, shared, "", placement.label)
             name, path_overrides = split_overrides(path)
@@ -550,7 +562,12 @@ def bench_cells(shape: str, cells: list[tuple[int, int]], new_tokens: int, paths
                 if not isinstance(error, torch.OutOfMemoryError):
                     traceback.print_exc()
                 result = (None, None, error_text(error))
-            record(cell, path, *merge_ranks(multi_gpu.gather(result), placement.label, failed))
+            row, new = merge_ranks(multi_gpu.gather(result), placement.label, failed)
+            if first is not None:  # a later round: its runs join the first's (a failure there ends the path's rounds)
+                row = add_round(first[0], row) if not row.error else dataclasses.replace(
+                    first[0], error=f"round failed: {row.error}")
+                new = new if new is not None else first[1]
+            record(cell, path, row, new)
             release_memory(device, compiled=path == "static")  # hshare's fused kernels stay compiled for the next
     rows = []
     for cell in cells:
@@ -558,6 +575,30 @@ def bench_cells(shape: str, cells: list[tuple[int, int]], new_tokens: int, paths
         set_agreement(cell_rows, {path: new for path, (_, new) in measured[cell].items() if new is not None})
         rows.extend(cell_rows)
     return rows
+
+
+def check_paths(paths) -> None:
+    """A ValueError naming the paths given more than once (a row is kept per path; rounds repeat them)."""
+    twice = sorted({path for path in paths if list(paths).count(path) > 1})
+    if twice:
+        raise ValueError(f"paths {', '.join(twice)} given more than once; accepted: each path once (--rounds "
+                         "measures them again in turn)")
+
+
+def _turns(order: list[str], rounds: int) -> list[str]:
+    """The paths of `rounds` rounds, every other round reversed (``static`` in the first only)."""
+    later = [path for path in order if path != "static"]
+    return list(order) + [path for r in range(1, rounds) for path in (later[::-1] if r % 2 else later)]
+
+
+def add_round(row: GenerateRow, later: GenerateRow) -> GenerateRow:
+    """`row` with a later round's runs of the same path: every run kept, the rate their median (the lower of
+    two middles, as `measure_path` takes), peaks the larger; the rest (prefill, warm-up, counters) the first
+    round's."""
+    runs = row.decode_tok_s_runs + later.decode_tok_s_runs
+    return dataclasses.replace(row, decode_tok_s_runs=runs, decode_tok_s=sorted(runs)[(len(runs) - 1) // 2],
+                               peak_gib=max(row.peak_gib, later.peak_gib),
+                               prefill_peak_gib=max(row.prefill_peak_gib, later.prefill_peak_gib))
 
 
 def _print_cell(shape: str, cell: tuple[int, int], cells: list[tuple[int, int]]) -> None:

@@ -145,7 +145,7 @@ def crossover_table(rows: list[GenerateRow], model_configs: dict, element_bytes:
 def run_grid(out: Path, shapes: list[str], rows: list[int], prompts: list[int], paths: list[str], new_tokens: int,
              repeats: int = 1, timing: str = "steps", padded: bool = False, layers: int | None = None,
              device: str = "cuda", dtype: torch.dtype = torch.bfloat16, free_bytes: float | None = None,
-             time_limit_s: float | None = None, name: str = "bench_grid") -> dict:
+             time_limit_s: float | None = None, name: str = "bench_grid", rounds: int = 1) -> dict:
     """Every path at every ``(rows, prompt)`` of each shape (`generate.bench_cells`); writes ``NAME.json``
     after every row and ``NAME.md`` (the tables) at the end, prints the tables, and returns the results.
 
@@ -154,6 +154,8 @@ def run_grid(out: Path, shapes: list[str], rows: list[int], prompts: list[int], 
             padded prompt's quadratic mask costs prefill time and memory the grid does not measure).
         free_bytes: memory a shape may use (None: the device's free memory; on the CPU nothing is skipped).
         time_limit_s: no path starts after this many seconds from the start (its row says so).
+        rounds: each cell's paths measured this many times in turn, every other round in reverse order; a row
+            keeps every round's runs and their median (`generate.bench_cells`).
     """
     deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
     element_bytes = torch.finfo(dtype).bits // 8
@@ -162,7 +164,7 @@ def run_grid(out: Path, shapes: list[str], rows: list[int], prompts: list[int], 
     model_configs = {}
     out.mkdir(parents=True, exist_ok=True)
     settings = {"shapes": shapes, "rows": rows, "prompts": prompts, "paths": paths, "new_tokens": new_tokens,
-                "repeats": repeats, "timing": timing, "padded": padded, "layers": layers}
+                "repeats": repeats, "rounds": rounds, "timing": timing, "padded": padded, "layers": layers}
 
     def results_of(done: list[GenerateRow]) -> dict:
         return {"env": environment(), "grid": settings, "generate": [asdict(r) for r in done]}
@@ -173,7 +175,7 @@ def run_grid(out: Path, shapes: list[str], rows: list[int], prompts: list[int], 
         model_configs[shape] = generate.model_config(shape, layers, max(prompts) + new_tokens + 8)[1]
         shape_rows = generate.bench_cells(
             shape, cells, new_tokens, paths, layers=layers, device=device, dtype=dtype, repeats=repeats, timing=timing,
-            padded=padded, free_bytes=free_bytes, deadline=deadline,
+            padded=padded, free_bytes=free_bytes, deadline=deadline, rounds=rounds,
             progress=lambda now: (out / f"{name}.json").write_text(json.dumps(results_of(measured + now), indent=1)))
         measured.extend(shape_rows)
         generate.release_memory(device)
@@ -202,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(default dense,hshare-1_2-1_2-1_2@512+dense_fallback_mib=0)")
     parser.add_argument("--new-tokens", type=int, default=32, help="new tokens per generate (default 32)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per path (default 1)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="the paths measured this many times in turn, every other round reversed (A B, B A, "
+                             "...): a row's rate is the median over its rounds (default 1)")
     parser.add_argument("--timing", choices=generate.TIMINGS, default="steps",
                         help="steps: per-token times of one generate (default); pairs: 1-token and N-token generates")
     parser.add_argument("--padded", action="store_true", help="left-pad one row in four (default: no padding)")
@@ -226,13 +231,17 @@ def main(argv: list[str] | None = None) -> int:
         paths = [p for p in args.paths.split(",") if p]
         for path in paths:
             split_overrides(path)
+        generate.check_paths(paths)
+        if args.rounds < 1:
+            raise ValueError(f"--rounds {args.rounds}; accepted: at least 1")
     except ValueError as error:
         raise SystemExit(str(error)) from None
     on_gpu = torch.cuda.is_available() and not args.smoke
     run_grid(Path(args.out), shapes, rows, prompts, paths, args.new_tokens, args.repeats,
              args.timing, args.padded, args.layers, "cuda" if on_gpu else "cpu",
              torch.bfloat16 if on_gpu else torch.float32,
-             None if args.memory_gib is None else args.memory_gib * roofline.GIB, args.time_limit, args.name)
+             None if args.memory_gib is None else args.memory_gib * roofline.GIB, args.time_limit, args.name,
+             args.rounds)
     return 0
 
 
