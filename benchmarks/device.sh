@@ -112,8 +112,9 @@ gpu_info() {  # the GPU and its clocks, once per call
 bench() {  # bench SECONDS ARGS...: `hshare bench generate ARGS` under a time limit, appended to one log
   timeout "$1" hshare bench generate --out "$OUT" "${@:2}" 2>&1 | grep -v Warning | tee -a "$OUT/bench_generate.log"
 }
-grid() {  # grid SECONDS ARGS...: `python3 -m hshare.bench.grid ARGS`; no path starts after SECONDS - 60
-  timeout "$1" python3 -m hshare.bench.grid --out "$OUT" --time-limit "$(($1 - 60))" "${@:2}" 2>&1 \
+grid() {  # grid SECONDS ARGS...: `python3 -m hshare.bench.grid ARGS`; no path starts after SECONDS - 60;
+          # ROUNDS (default 1): the paths measured in turn that many times (an A/B in one process)
+  timeout "$1" python3 -m hshare.bench.grid --out "$OUT" --time-limit "$(($1 - 60))" --rounds "${ROUNDS:-1}" "${@:2}" 2>&1 \
     | grep -v Warning | tee -a "$OUT/bench_grid.log"
 }
 
