@@ -69,12 +69,15 @@ def _bench(args: argparse.Namespace) -> int:
         paths = tuple(args.paths.split(",")) if args.paths else bench.generate.PATHS
         try:
             bench.generate.check_paths(paths)
+            if args.rounds < 1:
+                raise ValueError(f"--rounds {args.rounds}; accepted: at least 1")
         except ValueError as error:
             raise SystemExit(f"hshare bench generate --paths: {error}") from None
         bench.main_generate(Path(args.out), args.shape, args.batch, args.prompt, args.new_tokens, paths, args.shared,
                             args.layers, args.smoke,
                             {} if args.dense_fallback_mib is None else {"dense_fallback_mib": args.dense_fallback_mib},
-                            tp=args.tp, device_map=args.device_map, repeats=args.repeats, timing=args.timing)
+                            tp=args.tp, device_map=args.device_map, repeats=args.repeats, timing=args.timing,
+                            rounds=args.rounds)
         return 0
     run = bench.main_attention if args.what == "attention" else bench.main_prefix
     run(Path(args.out), args.smoke)
@@ -132,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--layers", type=int, default=None, help="generate: cut the model to this many layers")
     bench.add_argument("--repeats", type=int, default=1,
                        help="generate: timed pairs (1-token, N-token generate) per path; the row gives the median")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="generate: the paths measured in turn this many times, every other round reversed (A B, "
+                            "B A, ...); a row's rate is the median over its rounds (an A/B in one process)")
     bench.add_argument("--timing", choices=("pairs", "steps"), default="pairs",
                        help="generate: pairs (t(N) - t(1), after a warm-up call) or steps (the tokens of one N-token "
                             "generate timed as they come, the first quarter of the steps left out: a third of the "

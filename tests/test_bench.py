@@ -51,7 +51,8 @@ def test_bench_generate_smoke_plot(tmp_path):
 
 
 def test_bench_generate_repeats_report_the_median_pair(tmp_path):
-    """``--repeats 3``: three timed pairs per path, every pair's rate kept, the row's rate the median one."""
+    """``--repeats 3``: three timed pairs per path, every pair's rate kept, the row's rate the median one; with
+    ``--rounds 2`` each path is measured again after the others, its row keeping both rounds' pairs."""
     assert cli.main(["bench", "generate", "--smoke", "--out", str(tmp_path), "--paths", "dense,ds@512",
                      "--repeats", "3"]) == 0
     rows = json.loads((tmp_path / "bench_generate_tiny_b2_p40.json").read_text())["generate"]
@@ -59,6 +60,11 @@ def test_bench_generate_repeats_report_the_median_pair(tmp_path):
         runs = row["decode_tok_s_runs"]
         assert len(runs) == 3 and all(rate > 0 for rate in runs)
         assert row["decode_tok_s"] == sorted(runs)[1]
+    assert cli.main(["bench", "generate", "--smoke", "--out", str(tmp_path), "--paths", "dense,ds@512",
+                     "--repeats", "2", "--rounds", "2"]) == 0
+    rows = json.loads((tmp_path / "bench_generate_tiny_b2_p40.json").read_text())["generate"]
+    assert [len(row["decode_tok_s_runs"]) for row in rows] == [4, 4]
+    assert all(row["decode_tok_s"] == sorted(row["decode_tok_s_runs"])[1] for row in rows)
     with pytest.raises(ValueError, match="repeats=0"):
         generate.measure_path(None, "dense", None, None, 4, "tiny", False, repeats=0)
     with pytest.raises(ValueError, match="timing='median'; accepted: pairs, steps"):
@@ -242,6 +248,8 @@ def test_rounds_alternate_the_order_and_keep_every_run(monkeypatch):
         grid.main(["--smoke", "--paths", "dense,dense"])
     with pytest.raises(SystemExit, match="paths dense given more than once"):
         cli.main(["bench", "generate", "--smoke", "--paths", "dense,dense"])
+    with pytest.raises(SystemExit, match="--rounds 0; accepted: at least 1"):
+        cli.main(["bench", "generate", "--smoke", "--paths", "dense", "--rounds", "0"])
 
 
 def _row(path: str, batch: int, prompt: int, rate: float, peak: float = 20.0, error: str = "") -> GenerateRow:

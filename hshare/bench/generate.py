@@ -610,10 +610,10 @@ def _print_cell(shape: str, cell: tuple[int, int], cells: list[tuple[int, int]])
 def bench_generate(shape: str, batch: int, prompt: int, new_tokens: int, paths=PATHS, shared: bool = False,
                    layers: int | None = None, device: str = "cuda", dtype=torch.bfloat16,
                    overrides: dict | None = None, placement: Placement | None = None,
-                   progress=None, repeats: int = 1, timing: str = "pairs") -> list[GenerateRow]:
+                   progress=None, repeats: int = 1, timing: str = "pairs", rounds: int = 1) -> list[GenerateRow]:
     """Every path at one shape (`bench_cells` with one cell), one row in four of a batch left-padded."""
     return bench_cells(shape, [(batch, prompt)], new_tokens, paths, shared, layers, device, dtype, overrides,
-                       placement, progress, repeats, timing)
+                       placement, progress, repeats, timing, rounds=rounds)
 
 
 def release_memory(device: str, compiled: bool = True) -> None:
@@ -706,12 +706,12 @@ def figure(results: dict, source: str = ""):
 
 def main_generate(out: Path, shape: str, batch: int, prompt: int, new_tokens: int, paths, shared: bool,
                   layers: int | None, smoke: bool, overrides: dict | None = None, tp: int = 1,
-                  device_map: str | None = None, repeats: int = 1, timing: str = "pairs") -> dict:
+                  device_map: str | None = None, repeats: int = 1, timing: str = "pairs", rounds: int = 1) -> dict:
     """`bench_generate` printed and written (the JSON after every row, the PNG at the end). `tp` > 1: one of
     `tp` processes under torchrun (`multi_gpu.require_torchrun`), rank 0 prints and writes; `device_map`: the
     model dispatched over the GPUs. `smoke`: the tiny shape in float32, on the CPU (under TP: on the GPUs
     where the machine has them, as transformers binds each rank to one); `repeats`, `timing`: timed pairs or
-    generates per path (`measure_path`)."""
+    generates per path (`measure_path`); `rounds`: the paths measured in turn that many times (`bench_cells`)."""
     try:
         placement = Placement(tp=tp, device_map=device_map)
     except ValueError as error:
@@ -740,7 +740,7 @@ def main_generate(out: Path, shape: str, batch: int, prompt: int, new_tokens: in
         (out / f"{name}.json").write_text(json.dumps(results_of(rows), indent=1))
 
     rows = bench_generate(shape, batch, prompt, new_tokens, paths, shared, layers, device, dtype, overrides,
-                          placement, partial, repeats, timing)
+                          placement, partial, repeats, timing, rounds)
     info["world"] = multi_gpu.world()
     info["gpus"] = multi_gpu.gather(multi_gpu.describe_gpus(_process_gpus(device)))
     results = results_of(rows)
