@@ -3,8 +3,8 @@ the top `heavy` of its candidate columns by ``sum_g q_g . k``, the decode query 
 group against the column's key, read from the KV cache (C key rows; nothing of width n).
 
 The twin is the label refinement with every channel a label at full precision (`candidate_label_topk_torch`
-over the keys themselves); the Triton kernel (`candidate_keys_triton`) reads each candidate's key row once,
-split over programs, and the last program of a (row, head) picks its top `heavy`.
+over the keys themselves); the Triton kernels (`candidate_keys_triton`) read each candidate's key row once,
+split over programs, then a program per (row, head) picks its top `heavy`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def candidate_key_topk(query: torch.Tensor, keys: torch.Tensor, heavy: int, cand
     Returns:
         ``[A, H', heavy]`` int64 (or `out`): the columns of the ``min(heavy, allowed)`` best allowed candidates (in a
         selectable column, finite logit) in candidate order, then ``NO_TOKEN``; among equal logits the earlier
-        candidates. CUDA (fp16, bf16, fp32 keys): one Triton launch up to the candidate top-k's ``MAX_CANDIDATES``
+        candidates. CUDA (fp16, bf16, fp32 keys): two Triton launches up to the candidate top-k's ``MAX_CANDIDATES``
         (wider: the twin, with a RuntimeWarning); elsewhere the twin.
     """
     if out is not None and heads is None:
