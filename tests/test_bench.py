@@ -310,6 +310,11 @@ def test_grid_runs_and_writes(tmp_path):
         assert row["step_gb"] > 0 and row["floor_tok_s"] > 0 and row["floor_share"] > 0 and row["bandwidth_gb_s"] > 0
         assert len(row["decode_tok_s_runs"]) == 1
     assert rows[sparse]["decode_steps"]["sparse"] == 4 and rows[sparse]["agreement"] is None
+    # full-context scorings: ds would score every (row, layer, KV head) at each of the 4 steps; 1/2-1/2-1/2 an eighth
+    tiny = generate.model_config("tiny", None, 64)[1]
+    every = 2 * 4 * tiny.num_hidden_layers * tiny.num_key_value_heads
+    assert rows[sparse]["decode_steps"]["score_computations"] == every // 8
+    assert rows[sparse]["decode_steps"]["refinements"] == 0 and "score_computations" not in rows["dense"]["decode_steps"]
     assert rows[sparse]["step_gb"] < rows["dense"]["step_gb"]  # N_c 32 of 48 + 1..4 columns, labels besides
     assert json.loads((tmp_path / "bench_grid.json").read_text())["generate"] == results["generate"]
     tables = (tmp_path / "bench_grid.md").read_text()
