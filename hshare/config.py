@@ -242,10 +242,16 @@ class PlannerConfig:
             copies another while the most similar remaining pair reaches `similarity`, so each layer
             gets its own head sharing and the layer sharing follows the evidence; the sharing ratios
             then bound how far it may share (at least that share of layers and heads still selects).
+            With `scorings`, "auto" meets a scoring budget instead of a similarity.
         rows: last prefill query rows whose keep-sets are the planner's evidence.
         seed: seed of the random planner.
         similarity: the "auto" planner's target in [0, 1]: the least evidence similarity (`hshare.planner`:
             the share of a node's keep-set its source keeps) at which a pair shares.
+        scorings: the "auto" planner's scoring budget, a ratio in (0, 1] (None: the `similarity` target): the
+            share of a selection step's (layer, selection head) pairs that still score the whole context.
+            Layer and head copies are taken together, the most similar first, until the selecting pairs are
+            at most that share (`hshare.planner.budget_copies`); the sharing ratios bound them as above.
+            Query sharing divides the full-context scorings further. A batch plan only (`scope` "batch").
     """
 
     selection: str = "kv_head"
@@ -254,6 +260,7 @@ class PlannerConfig:
     rows: int = 4
     seed: int = 0
     similarity: float = 0.8
+    scorings: float | None = None
 
     def __post_init__(self) -> None:
         check_choice("planner.selection", self.selection, SELECTION_GRANULARITIES)
@@ -266,6 +273,17 @@ class PlannerConfig:
             raise ConfigError(f"HShareConfig.planner.similarity = {self.similarity!r} is invalid; accepted: a number "
                               "in [0, 1]")
         _set(self, "similarity", float(self.similarity))
+        if self.scorings is not None:
+            _set(self, "scorings", check_ratio("planner.scorings", self.scorings))
+            if self.method != "auto":
+                raise ConfigError(f"HShareConfig.planner.scorings = {self.scorings!r} with planner.method = "
+                                  f"'{self.method}' is invalid: a scoring budget is the 'auto' planner's; accepted: "
+                                  "method 'auto' with scorings, or scorings None")
+            if self.scope != "batch":
+                raise ConfigError(f"HShareConfig.planner.scorings = {self.scorings!r} with planner.scope = "
+                                  f"'{self.scope}' is invalid: a scoring budget counts the copies of one plan for the "
+                                  "batch (rows planned apart would copy different layers and meet it apart); "
+                                  "accepted: scope 'batch' with scorings, or scorings None")
 
 
 @dataclass(frozen=True)
@@ -418,6 +436,7 @@ OPTION_NAMES: dict[str, tuple[str, str]] = {
     "refine_by": ("sharing", "refine_by"), "successors": ("sharing", "successors"),
     "selection": ("planner", "selection"), "plan_scope": ("planner", "scope"), "planner": ("planner", "method"),
     "plan_rows": ("planner", "rows"), "seed": ("planner", "seed"), "share_similarity": ("planner", "similarity"),
+    "share_scorings": ("planner", "scorings"),
     "policy": ("policy", "name"),
     "prefix": ("prefix", "mode"), "prefix_min_tokens": ("prefix", "min_tokens"),
     "prefix_min_batch": ("prefix", "min_batch"), "prefix_min_saved_tokens": ("prefix", "min_saved_tokens"),
@@ -565,6 +584,12 @@ class HShareConfig:
                               f"'{self.planner.selection}' is invalid: a refinement reads the keys of its KV head, "
                               "summed over the head's query group; accepted: 'keys' with selection 'kv_head', or "
                               "refine_by 'labels'")
+        floor = self.sharing.layer * self.sharing.head  # at least this share of the pairs selects
+        if self.sparse and self.planner.scorings is not None and self.planner.scorings < floor - 1e-9:
+            raise ConfigError(f"HShareConfig.planner.scorings = {self.planner.scorings} is unreachable: the sharing "
+                              f"ratios keep at least sharing.layer x sharing.head = {floor:.4g} of the (layer, head) "
+                              f"pairs selecting; accepted: scorings >= {floor:.4g}, or lower sharing.layer / "
+                              "sharing.head bounds (e.g. layer_sharing=1/8, head_sharing=1/8)")
         if self.runtime.sparse_prefill and self.prefix.mode == "on":
             raise ConfigError(
                 "HShareConfig.runtime.sparse_prefill = True with prefix.mode = 'on' is invalid: a shared prefix is "

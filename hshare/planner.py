@@ -77,6 +77,26 @@ def layer_overlaps(keep_layer: torch.Tensor, keep_earlier: list[torch.Tensor], n
     return (overlap / size).mean(dim=(2, 3)).transpose(0, 1)
 
 
+def _greedy_pairs(similarity: torch.Tensor, copies: int):
+    """Algorithm 1's pairs in the order it takes them, batched over leading dims: `copies` times the most
+    similar remaining pair (i, j < i) of each plane, yielded as ``(similarity [G], copier [G], source [G])``
+    (G: the leading dims flattened), then row and column i removed. Ties go to the first pair in row-major
+    order (smallest i, then smallest j)."""
+    size = similarity.shape[-1]
+    if not 0 <= copies <= max(size - 1, 0):
+        raise ValueError(f"copies = {copies} is out of range for {size} nodes; accepted: 0..{size - 1}")
+    lower = torch.ones(size, size, dtype=torch.bool, device=similarity.device).tril(-1)
+    scores = torch.where(lower, similarity.float(), torch.full_like(similarity, EMPTY, dtype=torch.float32))
+    scores = scores.reshape(-1, size, size).clone()
+    rows = torch.arange(scores.shape[0], device=similarity.device)
+    for _ in range(copies):
+        best, flat = scores.flatten(1).max(-1)
+        copier, target = flat // size, flat % size
+        yield best, copier, target
+        scores[rows, copier, :] = EMPTY
+        scores[rows, :, copier] = EMPTY
+
+
 def greedy_sharing(similarity: torch.Tensor, copies: int, threshold: float | None = None) -> torch.Tensor:
     """Algorithm 1 with chain resolution, batched over leading dims.
 
@@ -92,26 +112,68 @@ def greedy_sharing(similarity: torch.Tensor, copies: int, threshold: float | Non
         ``source[i] <= i``.
     """
     size = similarity.shape[-1]
-    if not 0 <= copies <= max(size - 1, 0):
-        raise ValueError(f"copies = {copies} is out of range for {size} nodes; accepted: 0..{size - 1}")
     lead = similarity.shape[:-2]
-    device = similarity.device
-    lower = torch.ones(size, size, dtype=torch.bool, device=device).tril(-1)
-    scores = torch.where(lower, similarity.float(), torch.full_like(similarity, EMPTY, dtype=torch.float32))
-    scores = scores.reshape(-1, size, size).clone()
-    source = torch.arange(size, device=device).repeat(scores.shape[0], 1)
-    rows = torch.arange(scores.shape[0], device=device)
-    for _ in range(copies):
-        best, flat = scores.flatten(1).max(-1)
+    planes = math.prod(lead)
+    source = torch.arange(size, device=similarity.device).repeat(planes, 1)
+    rows = torch.arange(planes, device=similarity.device)
+    for best, copier, target in _greedy_pairs(similarity, copies):
         if threshold is not None and bool((best < threshold).any()):
             break
-        copier, target = flat // size, flat % size
         source[rows, copier] = target
-        scores[rows, copier, :] = EMPTY
-        scores[rows, :, copier] = EMPTY
     for _ in range(max(1, math.ceil(math.log2(max(size, 2))))):  # pointer jumping resolves chains
         source = source.gather(1, source)
     return source.reshape(*lead, size)
+
+
+def budget_copies(head_similarity: torch.Tensor | None, layer_similarity: torch.Tensor | None, count: int, heads: int,
+                  head_copies: int, layer_copies: int, scorings: float) -> tuple[list[int], int]:
+    """How many heads of each sparse layer, and how many layers, copy under the "auto" planner's scoring
+    budget (`PlannerConfig.scorings`).
+
+    Each dimension's copies are Algorithm 1's, in its order (`greedy_sharing`); the two are merged by
+    similarity: while more than `scorings` of the ``Ls x H`` (layer, head) pairs select, the next pair taken
+    is the more similar of the next layer copy and the next head copy of any layer that still selects (ties:
+    the layer). A head copy saves one selecting pair, a layer copy every pair of that layer that still selects.
+    At most `head_copies` heads of a layer and `layer_copies` layers copy (the sharing ratios' bounds); the
+    budget is met unless they stop it first. Host syncs: at plan time only.
+
+    Args:
+        head_similarity: ``[Ls, H, H]`` per sparse layer (None: no head copies).
+        layer_similarity: ``[Ls, Ls]``, entry (i, j < i) the similarity of sparse layer i to j (None: no layer
+            copies).
+        count, heads: Ls sparse layers, H selection heads a layer.
+
+    Returns:
+        ``(head copies per sparse layer [Ls], layer copies)``.
+    """
+    head_copies = head_copies if head_similarity is not None else 0
+    layer_copies = layer_copies if layer_similarity is not None else 0
+    # [head_copies][Ls]: the similarity of each layer's k-th head copy; [layer_copies]: each layer copy's and copier
+    head_best = torch.stack([best for best, _, _ in _greedy_pairs(head_similarity, head_copies)]).tolist() \
+        if head_copies else []
+    layer_best, layer_copier = [], []
+    if layer_copies:
+        pairs = [torch.stack((best[0], copier[0].float())) for best, copier, _ in
+                 _greedy_pairs(layer_similarity, layer_copies)]
+        layer_best, layer_copier = torch.stack(pairs).T.tolist()
+    head_taken, copied, layers_taken = [0] * count, [False] * count, 0
+    selecting, target = count * heads, scorings * count * heads
+    while selecting > target + 1e-9:
+        head_move = max(((head_best[head_taken[p]][p], -p) for p in range(count)
+                         if not copied[p] and head_taken[p] < head_copies), default=None)
+        layer_move = layer_best[layers_taken] if layers_taken < layer_copies else None
+        if head_move is None and layer_move is None:
+            break
+        if layer_move is not None and (head_move is None or layer_move >= head_move[0]):
+            copier = int(layer_copier[layers_taken])
+            layers_taken += 1
+            copied[copier] = True
+            selecting -= heads - head_taken[copier]
+        else:
+            layer = -head_move[1]
+            head_taken[layer] += 1
+            selecting -= 1
+    return head_taken, layers_taken
 
 
 @dataclass
@@ -148,7 +210,7 @@ def identity_plan(num_layers: int, heads: int, device: torch.device) -> SharingP
 def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Tensor], sparse_layers: list[int],
                num_layers: int, heads: int, layer_ratio: float, head_ratio: float, per_sample: bool, batch: int,
                device: torch.device, random_generator: torch.Generator | None = None,
-               threshold: float | None = None) -> SharingPlan:
+               threshold: float | None = None, scorings: float | None = None) -> SharingPlan:
     """Plan layer and head sharing from prefill evidence.
 
     Args:
@@ -161,6 +223,9 @@ def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Ten
             (the paper's random-sharing ablation: same ratios and constraints).
         threshold: the "auto" planner's similarity target: the ratios bound the copies, and a pair below
             it never shares (`greedy_sharing`); head sharing is then chosen per layer.
+        scorings: the "auto" planner's scoring budget instead (`budget_copies`), for a per-batch plan: the
+            ratios bound the copies, and each layer's head copies and the layer copies are counted from the
+            evidence, then paired by Algorithm 1.
     """
     planes = batch if per_sample else 1
 
@@ -173,21 +238,15 @@ def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Ten
     plan = identity_plan(num_layers, heads, device)
     layer_source = plan.layer_source.repeat(planes, 1)
     head_source = plan.head_source.repeat(1, planes, 1)
-
+    count = len(sparse_layers)
     head_copies = heads - sources_for_ratio(head_ratio, heads)
+    layer_copies = count - sources_for_ratio(layer_ratio, count)
+    stacked = matrix = None
     if head_copies:
         if random_generator is not None:
-            stacked = random_like((len(sparse_layers), planes, heads, heads))
+            stacked = random_like((count, planes, heads, heads))
         else:
             stacked = torch.stack([reduce(head_sim[layer]) for layer in sparse_layers])  # [Ls, P, H, H]
-        if threshold is None:
-            head_source[sparse_layers] = greedy_sharing(stacked, head_copies)
-        else:  # each layer its own count of copying heads
-            for position, layer in enumerate(sparse_layers):
-                head_source[layer] = greedy_sharing(stacked[position], head_copies, threshold)
-
-    count = len(sparse_layers)
-    layer_copies = count - sources_for_ratio(layer_ratio, count)
     if layer_copies:
         if random_generator is not None:
             matrix = random_like((planes, count, count))
@@ -195,6 +254,22 @@ def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Ten
             matrix = torch.zeros(planes, count, count, device=device)
             for position, layer in enumerate(sparse_layers[1:], start=1):
                 matrix[:, position, :position] = reduce(layer_sim[layer])
+
+    per_layer_heads = [head_copies] * count
+    if scorings is not None:
+        if per_sample:
+            raise ValueError("a scoring budget plans one batch (per_sample False); accepted: per_sample with "
+                             "scorings None")
+        per_layer_heads, layer_copies = budget_copies(None if stacked is None else stacked[:, 0],
+                                                      None if matrix is None else matrix[0], count, heads,
+                                                      head_copies, layer_copies, scorings)
+    if head_copies:
+        if threshold is None and scorings is None:
+            head_source[sparse_layers] = greedy_sharing(stacked, head_copies)
+        else:  # each layer its own count of copying heads
+            for position, layer in enumerate(sparse_layers):
+                head_source[layer] = greedy_sharing(stacked[position], per_layer_heads[position], threshold)
+    if layer_copies:
         local_source = greedy_sharing(matrix, layer_copies, threshold)  # positions in sparse_layers
         layer_ids = torch.tensor(sparse_layers, device=device)
         layer_source[:, layer_ids] = layer_ids[local_source]

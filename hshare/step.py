@@ -338,10 +338,12 @@ class StepPlanner:
             plan = identity_plan(self.num_layers, cache.sel_heads, cache.storage_device)
         else:
             generator = torch.Generator().manual_seed(config.planner.seed) if config.planner.method == "random" else None
+            auto = config.planner.method == "auto"
             plan = build_plan(
                 self.head_similarity, self.layer_similarity, self.sparse_layers, self.num_layers, cache.sel_heads,
                 config.sharing.layer, config.sharing.head, config.planner.scope == "sample", batch, cache.storage_device,
-                generator, config.planner.similarity if config.planner.method == "auto" else None,
+                generator, config.planner.similarity if auto and config.planner.scorings is None else None,
+                config.planner.scorings if auto else None,
             )
             self.counts.plans += 1
         self.head_similarity, self.layer_similarity, self.keep = {}, {}, {}

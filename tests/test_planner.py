@@ -2,7 +2,10 @@
 
 import torch
 
-from hshare.planner import build_plan, greedy_sharing, head_similarity, layer_overlaps, sources_for_ratio
+import pytest
+
+from hshare.planner import (budget_copies, build_plan, greedy_sharing, head_similarity, layer_overlaps,
+                            sources_for_ratio)
 
 
 def lower(entries, size):
@@ -112,3 +115,102 @@ def test_random_planner_is_seeded_and_valid():
                         torch.Generator().manual_seed(7)) for _ in range(2)]
     assert torch.equal(plans[0].layer_source, plans[1].layer_source)
     assert torch.equal(plans[0].head_source, plans[1].head_source)
+
+
+# ---- the "auto" planner's scoring budget: layer and head copies merged by similarity -------------------------
+
+def _trace(similarity, copies):
+    """Brute force Algorithm 1 on a list of lists: (similarity, copier) of each pair it takes, in order."""
+    alive, taken = set(range(len(similarity))), []
+    for _ in range(copies):
+        best, i, j = max((similarity[i][j], -i, -j) for i in alive for j in alive if j < i)
+        taken.append((best, -i))
+        alive.discard(-i)
+    return taken
+
+
+def _budget_brute_force(head_sim, layer_sim, head_copies, layer_copies, scorings):
+    """The budget's merge, one move at a time over explicit lists: the more similar of the next layer copy and
+    each selecting layer's next head copy (ties: the layer, then the lowest layer), until the selecting
+    (layer, head) pairs are within the budget or the bounds stop it."""
+    count, heads = len(layer_sim), len(head_sim[0])
+    head_traces = [[best for best, _ in _trace(head_sim[p], head_copies)] for p in range(count)]
+    layer_trace = _trace(layer_sim, layer_copies)
+    taken, copied, layers = [0] * count, set(), 0
+    selecting = count * heads
+    while selecting > scorings * count * heads + 1e-9:
+        moves = [(layer_trace[layers][0], 1, 0)] if layers < layer_copies else []
+        moves += [(head_traces[p][taken[p]], 0, -p) for p in range(count) if p not in copied and taken[p] < head_copies]
+        if not moves:
+            break
+        _, is_layer, p = max(moves)
+        if is_layer:
+            copier = layer_trace[layers][1]
+            layers += 1
+            copied.add(copier)
+            selecting -= heads - taken[copier]
+        else:
+            taken[-p] += 1
+            selecting -= 1
+    return taken, layers, selecting
+
+
+def test_budget_copies_by_hand():
+    """Two layers of three heads. Layer 1 copies layer 0 at 0.9; layer 0's heads pair at 0.95 then 0.3, layer 1's
+    at 0.5 then 0.1."""
+    heads = torch.stack([lower({(1, 0): 0.95, (2, 0): 0.2, (2, 1): 0.3}, 3), lower({(1, 0): 0.5, (2, 0): 0.1,
+                                                                                   (2, 1): 0.1}, 3)])
+    layers = lower({(1, 0): 0.9}, 2)
+    # 6 pairs: 0.9 of them -> one head copy (0.95) leaves 5; 0.7 -> then the layer copy (0.9) leaves layer 0's 2
+    assert budget_copies(heads, layers, 2, 3, 2, 1, 0.9) == ([1, 0], 0)
+    assert budget_copies(heads, layers, 2, 3, 2, 1, 0.7) == ([1, 0], 1)
+    # no layer copies allowed: heads 0.95, 0.5, 0.3 for a half
+    assert budget_copies(heads, layers, 2, 3, 2, 0, 0.5) == ([2, 1], 0)
+    assert budget_copies(heads, None, 2, 3, 2, 1, 0.5) == ([2, 1], 0)
+    # the bounds stop it: one head copy a layer, no layer copy, for a budget of a sixth
+    assert budget_copies(heads, layers, 2, 3, 1, 0, 1 / 6) == ([1, 1], 0)
+    assert budget_copies(None, None, 2, 3, 2, 1, 0.5) == ([0, 0], 0)
+    assert budget_copies(heads, layers, 2, 3, 2, 1, 1.0) == ([0, 0], 0)
+
+
+@pytest.mark.parametrize("scorings", [0.2, 0.35, 0.5, 0.75, 1.0])
+def test_budget_copies_equal_a_brute_force_merge(scorings):
+    generator = torch.Generator().manual_seed(int(scorings * 100))
+    for count, heads, head_copies, layer_copies in [(5, 4, 3, 4), (7, 3, 2, 5), (4, 8, 6, 2), (6, 2, 1, 0)]:
+        head_sim = torch.rand(count, heads, heads, generator=generator)
+        layer_sim = torch.rand(count, count, generator=generator)
+        got = budget_copies(head_sim, layer_sim, count, heads, head_copies, layer_copies, scorings)
+        taken, layers, selecting = _budget_brute_force(head_sim.tolist(), layer_sim.tolist(), head_copies,
+                                                       layer_copies, scorings)
+        assert got == (taken, layers)
+        bounded = all(t == head_copies for t in taken) and layers == layer_copies
+        assert selecting <= scorings * count * heads + 1e-9 or bounded
+
+
+def test_build_plan_meets_the_scoring_budget():
+    """The plan of a budget: the (layer, head) pairs that select are at most the budget's share (the bounds
+    allowing), each layer's head copies and the layer copies Algorithm 1's at `budget_copies`'s counts."""
+    layers, heads, batch = 8, 4, 3
+    sparse = [0, 1, 3, 4, 5, 6, 7]  # layer 2 dense
+    generator = torch.Generator().manual_seed(3)
+    head_sim = {l: torch.rand(batch, heads, heads, generator=generator) for l in sparse}
+    layer_sim = {l: torch.rand(batch, i, generator=generator) for i, l in enumerate(sparse)}
+    mean_heads = torch.stack([head_sim[l].mean(0) for l in sparse])
+    mean_layers = torch.zeros(len(sparse), len(sparse))
+    for i, l in enumerate(sparse[1:], start=1):
+        mean_layers[i, :i] = layer_sim[l].mean(0)
+    for scorings in (0.05, 0.25, 0.5, 0.8, 1.0):
+        plan = build_plan(head_sim, layer_sim, sparse, layers, heads, 1 / 8, 1 / 4, False, batch,
+                          torch.device("cpu"), scorings=scorings)
+        counts, layer_copies = budget_copies(mean_heads, mean_layers, len(sparse), heads, 3, 6, scorings)
+        source = plan.layer_source[0]
+        assert int((source[sparse] != torch.tensor(sparse)).sum()) == layer_copies and int(source[2]) == 2
+        assert torch.equal(source[sparse], torch.tensor(sparse)[greedy_sharing(mean_layers, layer_copies)])
+        for position, l in enumerate(sparse):
+            assert torch.equal(plan.head_source[l, 0], greedy_sharing(mean_heads[position], counts[position]))
+        selecting = sum(int((plan.head_source[l, 0] == torch.arange(heads)).sum()) for l in sparse
+                        if int(source[l]) == l)
+        assert selecting <= max(scorings * len(sparse) * heads + 1e-9, 1)  # the bounds keep one layer and head
+    with pytest.raises(ValueError, match="per_sample"):
+        build_plan(head_sim, layer_sim, sparse, layers, heads, 1 / 8, 1 / 4, True, batch, torch.device("cpu"),
+                   scorings=0.5)

@@ -8,7 +8,7 @@ import torch
 import hshare
 import hshare.attention as attention_module
 from hshare import static_decode
-from hshare.config import ConfigError, HShareConfig
+from hshare.config import ConfigError, HShareConfig, resolve_config
 from hshare.kernels import candidate_label_scores, decode_label_scores, quantize_labels
 from hshare.policy import SelectionPolicy
 from hshare.refine import refine_by_keys, select_candidates
@@ -661,3 +661,34 @@ def test_auto_planner_shares_per_the_evidence():
                                int((plan.head_source[:, 0] == torch.arange(2)).sum()))
     assert sources[0.0] == (2, 4)  # any pair reaches 0: the ratios' bound, 2 of 4 layers, 1 of 2 heads each
     assert sources[1.0] == (4, 8)  # no pair of this random model is identical: nothing shares
+
+
+@pytest.mark.parametrize("scorings", [0.25, 0.5, 1.0])
+def test_auto_planner_meets_a_scoring_budget(scorings):
+    """`planner.scorings`: the plan's selecting (layer, head) pairs are within the budget (of 4 layers x 2 KV heads,
+    bounds: one layer and one head a layer selecting), and each selection step scores exactly those pairs."""
+    model = tiny_llama(kv_heads=2, layers=4, heads=4)
+    ids, mask = left_padded(LENGTHS, torch.Generator().manual_seed(2))
+    with hshare.patched(model, "hshare-1_2-1_2-1_2", planner="auto", share_scorings=scorings, layer_sharing="1/4",
+                        head_sharing="1/2", dense_fallback_mib=0, **SMALL):
+        cache = hshare.new_cache(model)
+        greedy(model, ids, mask, new_tokens=5, past_key_values=cache)
+    plan, stats = cache.planner.sharing, cache.stats
+    selecting = sum(int((plan.head_source[layer, 0] == torch.arange(2)).sum()) for layer in range(4)
+                    if int(plan.layer_source[0, layer]) == layer)
+    assert scorings * 8 - 2 < selecting <= scorings * 8  # met, and a copy saves at most a layer's two pairs
+    assert stats.score_computations == selecting * len(LENGTHS) * stats.selection_steps
+
+
+def test_a_scoring_budget_is_refused_where_it_cannot_hold():
+    with pytest.raises(ConfigError, match="method 'auto' with scorings"):
+        resolve_config("hshare-1_2-1_2-1_2", share_scorings=0.5)
+    with pytest.raises(ConfigError, match="unreachable.*0.25"):
+        resolve_config("hshare-1_2-1_2-1_2", planner="auto", share_scorings=0.2)
+    with pytest.raises(ConfigError, match="scope 'batch'"):
+        resolve_config("hshare-1_2-1_2-1_2", planner="auto", share_scorings=0.5, plan_scope="sample")
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match="scorings.*accepted"):
+            resolve_config("hshare-1_2-1_2-1_2", planner="auto", share_scorings=bad)
+    config = resolve_config("hshare-1_2-1_2-1_2", planner="auto", share_scorings="1/4")
+    assert config.planner.scorings == 0.25
