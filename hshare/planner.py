@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -126,7 +127,8 @@ def greedy_sharing(similarity: torch.Tensor, copies: int, threshold: float | Non
 
 
 def budget_copies(head_similarity: torch.Tensor | None, layer_similarity: torch.Tensor | None, count: int, heads: int,
-                  head_copies: int, layer_copies: int, scorings: float) -> tuple[list[int], int]:
+                  head_copies: int, layer_copies: int, scorings: float,
+                  over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[int], int]:
     """How many heads of each sparse layer, and how many layers, copy under the "auto" planner's scoring
     budget (`PlannerConfig.scorings`).
 
@@ -142,6 +144,9 @@ def budget_copies(head_similarity: torch.Tensor | None, layer_similarity: torch.
         layer_similarity: ``[Ls, Ls]``, entry (i, j < i) the similarity of sparse layer i to j (None: no layer
             copies).
         count, heads: Ls sparse layers, H selection heads a layer.
+        over_ranks: under tensor parallelism, the mean over the ranks (`HeadShard.mean_over_ranks`) of the head
+            copies' similarities, so that every rank, holding the same layer similarities, counts the same copies
+            (each rank then pairs its own heads).
 
     Returns:
         ``(head copies per sparse layer [Ls], layer copies)``.
@@ -149,8 +154,10 @@ def budget_copies(head_similarity: torch.Tensor | None, layer_similarity: torch.
     head_copies = head_copies if head_similarity is not None else 0
     layer_copies = layer_copies if layer_similarity is not None else 0
     # [head_copies][Ls]: the similarity of each layer's k-th head copy; [layer_copies]: each layer copy's and copier
-    head_best = torch.stack([best for best, _, _ in _greedy_pairs(head_similarity, head_copies)]).tolist() \
-        if head_copies else []
+    head_best = []
+    if head_copies:
+        head_best = torch.stack([best for best, _, _ in _greedy_pairs(head_similarity, head_copies)])
+        head_best = (over_ranks(head_best) if over_ranks is not None else head_best).tolist()
     layer_best, layer_copier = [], []
     if layer_copies:
         pairs = [torch.stack((best[0], copier[0].float())) for best, copier, _ in
@@ -210,7 +217,8 @@ def identity_plan(num_layers: int, heads: int, device: torch.device) -> SharingP
 def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Tensor], sparse_layers: list[int],
                num_layers: int, heads: int, layer_ratio: float, head_ratio: float, per_sample: bool, batch: int,
                device: torch.device, random_generator: torch.Generator | None = None,
-               threshold: float | None = None, scorings: float | None = None) -> SharingPlan:
+               threshold: float | None = None, scorings: float | None = None,
+               over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SharingPlan:
     """Plan layer and head sharing from prefill evidence.
 
     Args:
@@ -226,6 +234,7 @@ def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Ten
         scorings: the "auto" planner's scoring budget instead (`budget_copies`), for a per-batch plan: the
             ratios bound the copies, and each layer's head copies and the layer copies are counted from the
             evidence, then paired by Algorithm 1.
+        over_ranks: the mean over tensor-parallel ranks (`budget_copies`).
     """
     planes = batch if per_sample else 1
 
@@ -262,7 +271,7 @@ def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Ten
                              "scorings None")
         per_layer_heads, layer_copies = budget_copies(None if stacked is None else stacked[:, 0],
                                                       None if matrix is None else matrix[0], count, heads,
-                                                      head_copies, layer_copies, scorings)
+                                                      head_copies, layer_copies, scorings, over_ranks)
     if head_copies:
         if threshold is None and scorings is None:
             head_source[sparse_layers] = greedy_sharing(stacked, head_copies)

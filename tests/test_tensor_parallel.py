@@ -46,6 +46,8 @@ CASES = {
     "hshare-sample-query-head": ("hshare-1_2-1_2-1_2", {**SMALL, "plan_scope": "sample", "selection": "query_head"},
                                  "padded", False),
     "hshare-prefix": ("hshare-1_2-1_2-1_2", {**SMALL, "prefix": "on", "prefix_min_tokens": 8}, "prefixed", False),
+    "hshare-budget": ("hshare-1_2-1_2-1_2", {**SMALL, "planner": "auto", "share_scorings": "1/2", "layer_sharing": "1/4"},
+                      "padded", False),
 }
 SCHEDULE = ("decode_steps", "sparse_steps", "dense_fallback_steps", "selection_steps", "plans")
 
@@ -150,7 +152,11 @@ def test_tensor_parallel_matches_one_process(runs, name, record_property):
     assert sum(rank["stats"]["dense_kv_rows"] for rank in ranks) == single["stats"]["dense_kv_rows"], context
     if single["prefix_levels"] is not None or ranks[0]["prefix_levels"] is not None:
         assert all(rank["prefix_levels"] == single["prefix_levels"] for rank in ranks), context
-    if preset.startswith("hshare") and overrides.get("plan_scope", "batch") == "batch" and not exact:
+    if name == "hshare-budget":  # every rank counts the same copies: within the budget over all heads
+        rows, steps = ranks[0]["tokens"].shape[0], ranks[0]["stats"]["selection_steps"]
+        pairs = [rank["stats"]["score_computations"] // (rows * steps) for rank in ranks]
+        assert pairs[0] == pairs[1] and 0 < sum(pairs) <= LAYERS * KV_HEADS // 2, (context, pairs)
+    elif preset.startswith("hshare") and overrides.get("plan_scope", "batch") == "batch" and not exact:
         # each rank scores round(b * H_rank) heads of round(l * L) layers for every row
         config = hshare.config.resolve_config(preset, **overrides)
         rows = ranks[0]["tokens"].shape[0]
