@@ -47,6 +47,8 @@ def _same_work(static_cache, eager_cache) -> None:
     # static shapes score every reserved column (labels) or page slot (Quest): scorings x reserve
     if static_cache.config.policy.name == "quest":
         assert ours.scored_pages == ours.score_computations * pages_for(static_cache.reserve, static_cache.config.policy.page_size)
+    elif static_cache.config.candidate_count:  # refinements score their candidates' label rows besides
+        assert ours.refinements == theirs.refinements and ours.scored_tokens > ours.score_computations * static_cache.reserve
     else:
         assert ours.scored_tokens == ours.score_computations * static_cache.reserve
 
@@ -61,6 +63,8 @@ def _same_work(static_cache, eager_cache) -> None:
     ("random-1_2-1_2-1_2", SPARSE),
     ("quest", dict(SPARSE, page_size=4)),
     ("quest-1_2-1_2-1_2", dict(SPARSE, page_size=3)),
+    ("hshare-1_2-1_2-1_2", dict(SPARSE, planner="auto", share_scorings="1/2", layer_sharing="1/4")),
+    ("hshare-refine-successors-c4", dict(SPARSE, planner="auto", share_scorings="3/8", layer_sharing="1/4")),
 ])
 def test_static_shapes_equal_eager(preset, overrides):
     model = tiny_llama(kv_heads=2, layers=4)
