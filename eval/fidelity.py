@@ -45,6 +45,8 @@ class FidelityResult:
         budget: N_c = sink + local + heavy of a sparse config, None for a dense one.
         stats: the config's cache counters summed over the windows (`dataclasses.asdict` of
             `HShareCache.stats`: decode_steps, score_computations, ...).
+        plan: what its sharing plan shares, the mean over the batches' plans (`SharingPlan.summary`:
+            layer_copies, head_copies, selecting); empty for a dense config.
     """
 
     config: str
@@ -56,6 +58,7 @@ class FidelityResult:
     kl: float
     budget: int | None = None
     stats: dict[str, int] = field(default_factory=dict)
+    plan: dict[str, float] = field(default_factory=dict)
 
 
 def _new_decode_cache(model):
@@ -245,6 +248,7 @@ def _measure_config(model, label: str, config, windows: torch.Tensor, tokens: to
     patch(model, config)
     agree = kl = 0.0
     stats: dict[str, int] = {}
+    plans: list[dict[str, float]] = []
     for rows, prompts in _batches(windows, batch):
         cache = new_cache(model)
         logits = forced_decode_logits(model, prompts, tokens[rows], cache)
@@ -253,10 +257,13 @@ def _measure_config(model, label: str, config, windows: torch.Tensor, tokens: to
         kl += float(kl_divergence(reference, logits).sum())
         for name, value in dataclasses.asdict(cache.stats).items():
             stats[name] = stats.get(name, 0) + value
+        if cache.planner.sharing is not None:
+            plans.append(cache.planner.sharing.summary(cache.sparse_layers))
     predictions = tokens.numel()
+    plan = {name: sum(p[name] for p in plans) / len(plans) for name in plans[0]} if plans else {}
     return FidelityResult(config=label, length=windows.shape[1], windows=windows.shape[0], steps=tokens.shape[1],
                           predictions=predictions, agreement=agree / predictions, kl=kl / predictions,
-                          budget=config.budget.total if config.sparse else None, stats=stats)
+                          budget=config.budget.total if config.sparse else None, stats=stats, plan=plan)
 
 
 def measure_fidelity(model, tokenizer_or_ids, text: str | None, lengths: Sequence[int], configs: Sequence,
@@ -346,16 +353,19 @@ def fidelity_markdown(results: Sequence[FidelityResult]) -> str:
 
 
 def _csv_rows(results: Sequence[FidelityResult]) -> tuple[list[str], list[dict[str, Any]]]:
-    """Flat rows: the result's fields, then its stats (union of the stats fields, first-seen order)."""
+    """Flat rows: the result's fields, then its stats and its plan summary (``plan_<name>``; each the union over
+    the results, first-seen order)."""
     stat_names = list(dict.fromkeys(name for r in results for name in r.stats))
-    base = [f.name for f in dataclasses.fields(FidelityResult) if f.name != "stats"]
+    base = [f.name for f in dataclasses.fields(FidelityResult) if f.name not in ("stats", "plan")]
+    plan_names = list(dict.fromkeys(name for r in results for name in r.plan))
     rows = []
     for r in results:
         row = {name: getattr(r, name) for name in base}
         row["budget"] = "" if r.budget is None else r.budget
         row.update({name: r.stats.get(name, "") for name in stat_names})
+        row.update({f"plan_{name}": r.plan.get(name, "") for name in plan_names})
         rows.append(row)
-    return base + stat_names, rows
+    return base + stat_names + [f"plan_{name}" for name in plan_names], rows
 
 
 def fidelity_plot(results: Sequence[FidelityResult], path: Path) -> Path | None:
@@ -388,7 +398,7 @@ def fidelity_plot(results: Sequence[FidelityResult], path: Path) -> Path | None:
 
 
 def write_fidelity(results: Sequence[FidelityResult], out_dir: str | Path) -> list[Path]:
-    """Write fidelity.json (the results, stats nested), fidelity.csv (one flat row per result),
+    """Write fidelity.json (the results, stats and plan nested), fidelity.csv (one flat row per result),
     fidelity.md (`fidelity_markdown`) and fidelity.png (`fidelity_plot`, where matplotlib is
     installed) into `out_dir` (created). Returns the paths written."""
     out = Path(out_dir)

@@ -206,6 +206,20 @@ class SharingPlan:
             return self
         return SharingPlan(self.layer_source[rows], self.head_source[:, rows])
 
+    def summary(self, sparse_layers: list[int]) -> dict[str, float]:
+        """What the plan shares, averaged over its planes: ``layer_copies`` (sparse layers that copy another),
+        ``head_copies`` (heads of the selecting layers that copy another) and ``selecting`` (the share of the
+        sparse layers' (layer, selection head) pairs that score the whole context at a selection step)."""
+        layers = torch.tensor(sparse_layers, device=self.layer_source.device)
+        selecting_layer = self.layer_source[:, layers] == layers  # [P, Ls]
+        heads = self.head_source.shape[-1]
+        own = self.head_source[layers] == torch.arange(heads, device=layers.device)  # [Ls, P, H]
+        sources = own.sum(-1).T  # [P, Ls]
+        pairs = (sources * selecting_layer).sum(-1).float()
+        return {"layer_copies": float((~selecting_layer).sum(-1).float().mean()),
+                "head_copies": float(((heads - sources) * selecting_layer).sum(-1).float().mean()),
+                "selecting": float(pairs.mean()) / max(len(sparse_layers) * heads, 1)}
+
 
 def identity_plan(num_layers: int, heads: int, device: torch.device) -> SharingPlan:
     return SharingPlan(

@@ -11,6 +11,7 @@ import torch
 
 import hshare
 from hshare.api import patch_state
+from hshare.planner import sources_for_ratio
 from hshare.eval.fidelity import (
     FidelityResult,
     add_fidelity_parser,
@@ -104,6 +105,13 @@ def test_sparse_tiny_budget_departs_from_dense(model):
             assert 0 <= r.agreement <= 1 and r.kl >= 0
     # sharing 1/2-1/2-1/2 scores fewer (row, layer, head) triples than DS
     assert by["hshare-1_2-1_2-1_2", 64].stats["score_computations"] < by["ds", 64].stats["score_computations"]
+    # the plan each config ran: ds shares nothing; 1/2-1/2-1/2 half the layers and half of each layer's KV heads
+    layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert by["dense", 64].plan == {}
+    assert by["ds", 64].plan == {"layer_copies": 0.0, "head_copies": 0.0, "selecting": 1.0}
+    half = by["hshare-1_2-1_2-1_2", 64].plan
+    assert half["layer_copies"] == layers - sources_for_ratio(0.5, layers)
+    assert half["selecting"] == sources_for_ratio(0.5, layers) * sources_for_ratio(0.5, kv_heads) / (layers * kv_heads)
 
 
 def test_a_patched_model_gets_its_config_back():
@@ -178,7 +186,8 @@ def test_text_token_ids():
 RESULTS = [
     FidelityResult("dense", 1024, 4, 8, 32, 1.0, 0.0, None, {"decode_steps": 28, "score_computations": 0}),
     FidelityResult("ds@512", 1024, 4, 8, 32, 0.75, 0.0123, 512, {"decode_steps": 28, "score_computations": 900}),
-    FidelityResult("ds@512", 2048, 4, 8, 32, 0.5, 0.25, 512, {"decode_steps": 28, "score_computations": 900}),
+    FidelityResult("ds@512", 2048, 4, 8, 32, 0.5, 0.25, 512, {"decode_steps": 28, "score_computations": 900},
+                   {"layer_copies": 0.0, "head_copies": 0.0, "selecting": 1.0}),
 ]
 
 
@@ -189,11 +198,14 @@ def test_write_fidelity(tmp_path):
     data = json.loads((tmp_path / "out" / "fidelity.json").read_text())
     assert data[1] == {"config": "ds@512", "length": 1024, "windows": 4, "steps": 8, "predictions": 32,
                        "agreement": 0.75, "kl": 0.0123, "budget": 512,
-                       "stats": {"decode_steps": 28, "score_computations": 900}}
+                       "stats": {"decode_steps": 28, "score_computations": 900}, "plan": {}}
+    assert data[2]["plan"] == {"layer_copies": 0.0, "head_copies": 0.0, "selecting": 1.0}
     with open(tmp_path / "out" / "fidelity.csv") as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["config", "length", "windows", "steps", "predictions", "agreement", "kl", "budget",
-                             "decode_steps", "score_computations"]
+                             "decode_steps", "score_computations", "plan_layer_copies", "plan_head_copies",
+                             "plan_selecting"]
+    assert rows[0]["plan_selecting"] == "" and float(rows[2]["plan_selecting"]) == 1.0
     assert rows[0]["budget"] == "" and rows[2]["config"] == "ds@512" and float(rows[2]["kl"]) == 0.25
     assert (tmp_path / "out" / "fidelity.md").read_text() == (
         "| config | agree 1k | KL 1k | agree 2k | KL 2k |\n"

@@ -214,3 +214,12 @@ def test_build_plan_meets_the_scoring_budget():
     with pytest.raises(ValueError, match="per_sample"):
         build_plan(head_sim, layer_sim, sparse, layers, heads, 1 / 8, 1 / 4, True, batch, torch.device("cpu"),
                    scorings=0.5)
+
+
+def test_plan_summary_by_hand():
+    """Layers 0-3 sparse, 4 dense; layer 2 copies 0, layer 3 copies 1; layer 0 keeps 1 of 2 heads selecting."""
+    plan = build_plan({}, {}, [0, 1, 2, 3], 5, 2, 1.0, 1.0, False, 1, torch.device("cpu"))
+    plan.layer_source[0, 2], plan.layer_source[0, 3] = 0, 1
+    plan.head_source[0, 0, 1] = 0
+    plan.head_source[2, 0, 1] = 0  # a copying layer's heads do not count
+    assert plan.summary([0, 1, 2, 3]) == {"layer_copies": 2.0, "head_copies": 1.0, "selecting": 3 / 8}
