@@ -1,8 +1,9 @@
 """Algorithm 1 (HShare section 4.3) on hand-worked examples, and its similarity statistic."""
 
-import torch
+import os
 
 import pytest
+import torch
 
 from hshare.planner import (budget_copies, build_plan, greedy_sharing, head_similarity, layer_overlaps,
                             sources_for_ratio)
@@ -175,16 +176,17 @@ def test_budget_copies_by_hand():
 
 @pytest.mark.parametrize("scorings", [0.2, 0.35, 0.5, 0.75, 1.0])
 def test_budget_copies_equal_a_brute_force_merge(scorings):
-    generator = torch.Generator().manual_seed(int(scorings * 100))
+    seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs each run; the seed reproduces a failure
+    generator = torch.Generator().manual_seed(seed)
     for count, heads, head_copies, layer_copies in [(5, 4, 3, 4), (7, 3, 2, 5), (4, 8, 6, 2), (6, 2, 1, 0)]:
         head_sim = torch.rand(count, heads, heads, generator=generator)
         layer_sim = torch.rand(count, count, generator=generator)
         got = budget_copies(head_sim, layer_sim, count, heads, head_copies, layer_copies, scorings)
         taken, layers, selecting = _budget_brute_force(head_sim.tolist(), layer_sim.tolist(), head_copies,
                                                        layer_copies, scorings)
-        assert got == (taken, layers)
+        assert got == (taken, layers), f"seed {seed}"
         bounded = all(t == head_copies for t in taken) and layers == layer_copies
-        assert selecting <= scorings * count * heads + 1e-9 or bounded
+        assert selecting <= scorings * count * heads + 1e-9 or bounded, f"seed {seed}"
 
 
 def test_build_plan_meets_the_scoring_budget():
@@ -192,7 +194,8 @@ def test_build_plan_meets_the_scoring_budget():
     allowing), each layer's head copies and the layer copies Algorithm 1's at `budget_copies`'s counts."""
     layers, heads, batch = 8, 4, 3
     sparse = [0, 1, 3, 4, 5, 6, 7]  # layer 2 dense
-    generator = torch.Generator().manual_seed(3)
+    seed = int.from_bytes(os.urandom(4), "little")
+    generator = torch.Generator().manual_seed(seed)
     head_sim = {l: torch.rand(batch, heads, heads, generator=generator) for l in sparse}
     layer_sim = {l: torch.rand(batch, i, generator=generator) for i, l in enumerate(sparse)}
     mean_heads = torch.stack([head_sim[l].mean(0) for l in sparse])
@@ -210,7 +213,7 @@ def test_build_plan_meets_the_scoring_budget():
             assert torch.equal(plan.head_source[l, 0], greedy_sharing(mean_heads[position], counts[position]))
         selecting = sum(int((plan.head_source[l, 0] == torch.arange(heads)).sum()) for l in sparse
                         if int(source[l]) == l)
-        assert selecting <= max(scorings * len(sparse) * heads + 1e-9, 1)  # the bounds keep one layer and head
+        assert selecting <= max(scorings * len(sparse) * heads + 1e-9, 1), f"seed {seed}"  # one layer, head stay
     with pytest.raises(ValueError, match="per_sample"):
         build_plan(head_sim, layer_sim, sparse, layers, heads, 1 / 8, 1 / 4, True, batch, torch.device("cpu"),
                    scorings=0.5)
