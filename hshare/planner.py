@@ -158,11 +158,9 @@ def budget_copies(head_similarity: torch.Tensor | None, layer_similarity: torch.
     if head_copies:
         head_best = torch.stack([best for best, _, _ in _greedy_pairs(head_similarity, head_copies)])
         head_best = (over_ranks(head_best) if over_ranks is not None else head_best).tolist()
-    layer_best, layer_copier = [], []
-    if layer_copies:
-        pairs = [torch.stack((best[0], copier[0].float())) for best, copier, _ in
-                 _greedy_pairs(layer_similarity, layer_copies)]
-        layer_best, layer_copier = torch.stack(pairs).T.tolist()
+    layer_pairs = list(_greedy_pairs(layer_similarity, layer_copies)) if layer_copies else []
+    layer_best = [float(best[0]) for best, _, _ in layer_pairs]
+    layer_copier = [int(copier[0]) for _, copier, _ in layer_pairs]
     head_taken, copied, layers_taken = [0] * count, [False] * count, 0
     selecting, target = count * heads, scorings * count * heads
     while selecting > target + 1e-9:
@@ -172,7 +170,7 @@ def budget_copies(head_similarity: torch.Tensor | None, layer_similarity: torch.
         if head_move is None and layer_move is None:
             break
         if layer_move is not None and (head_move is None or layer_move >= head_move[0]):
-            copier = int(layer_copier[layers_taken])
+            copier = layer_copier[layers_taken]
             layers_taken += 1
             copied[copier] = True
             selecting -= heads - head_taken[copier]

@@ -343,7 +343,7 @@ class StepPlanner:
                 self.head_similarity, self.layer_similarity, self.sparse_layers, self.num_layers, cache.sel_heads,
                 config.sharing.layer, config.sharing.head, config.planner.scope == "sample", batch, cache.storage_device,
                 generator, config.planner.similarity if auto and config.planner.scorings is None else None,
-                config.planner.scorings if auto else None, cache.heads.mean_over_ranks,
+                config.planner.scorings, cache.heads.mean_over_ranks,
             )
             self.counts.plans += 1
         self.head_similarity, self.layer_similarity, self.keep = {}, {}, {}
