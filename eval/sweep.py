@@ -50,15 +50,41 @@ def run_path(out_dir: Path, entry: SweepEntry) -> Path:
     return out_dir / RUNS / f"{entry.file_stem}.json"
 
 
+def _as_json(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
 def _identity(entry: SweepEntry, tasks: list[str], limit: Any, dense_fallback: bool = False) -> dict[str, Any]:
     """What must match for a finished run to be reused: tasks, limit, and the config that runs."""
     config = evaluation_config(entry.config(), dense_fallback=dense_fallback).to_dict()
-    return {"tasks": sorted(tasks), "limit": limit, "config": json.loads(json.dumps(config, default=str))}
+    return {"tasks": sorted(tasks), "limit": limit, "config": _as_json(config)}
+
+
+def _field_defaults(entry: SweepEntry) -> dict[str, Any]:
+    """`HShareConfig.to_dict` of `entry`'s config with every section at its fields' defaults (the
+    entry's policy), JSON-normalized as `_identity`'s config."""
+    config = entry.config()
+    sections = {name: type(getattr(config, name))() for name in config.to_dict() if name != "sparse"}
+    return _as_json(dataclasses.replace(config, **sections).to_dict())
+
+
+def _same_config(saved: Any, current: Any, defaults: Any) -> bool:
+    """Whether a saved run's config (a `to_dict`, possibly of an older hshare) is `current`. A field the
+    saved run predates (absent from it) matches where `current` holds the field's default, the behaviour
+    of the code that made the run; a field the saved run has and `current` lacks does not match."""
+    if not (isinstance(saved, dict) and isinstance(current, dict)):
+        return saved == current
+    if not set(saved) <= set(current):
+        return False
+    defaults = defaults if isinstance(defaults, dict) else {}
+    return all(_same_config(saved[key], value, defaults.get(key)) if key in saved
+               else key in defaults and value == defaults[key] for key, value in current.items())
 
 
 def finished(out_dir: Path, entry: SweepEntry, tasks: list[str], limit: Any,
              dense_fallback: bool = False) -> dict[str, Any] | None:
-    """The saved run of `entry` if it was made with the same tasks, limit and config, else None."""
+    """The saved run of `entry` if it was made with the same tasks, limit and config, else None (a
+    config field added to hshare since the run, at its default, keeps the run: `_same_config`)."""
     path = run_path(out_dir, entry)
     if not path.is_file():
         return None
@@ -66,7 +92,11 @@ def finished(out_dir: Path, entry: SweepEntry, tasks: list[str], limit: Any,
         saved = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
-    return saved if saved.get("identity") == _identity(entry, tasks, limit, dense_fallback) else None
+    identity, current = saved.get("identity"), _identity(entry, tasks, limit, dense_fallback)
+    if not isinstance(identity, dict) or {k: identity.get(k) for k in ("tasks", "limit")} != \
+            {k: current[k] for k in ("tasks", "limit")}:
+        return None
+    return saved if _same_config(identity.get("config"), current["config"], _field_defaults(entry)) else None
 
 
 def _write_atomic(path: Path, payload: dict[str, Any]) -> None:

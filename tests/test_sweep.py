@@ -84,6 +84,45 @@ def test_sweep_resumes_after_an_interruption_and_reruns_changed_runs(tmp_path):
     assert calls[6:] == ["ds"]
 
 
+def test_resume_keeps_runs_that_predate_a_config_field_at_its_default(tmp_path):
+    """A run saved before a config field existed has no such key: it is reused exactly where the current
+    config holds that field's default (what the older code ran), else run again; every field dropped in turn."""
+    import copy
+
+    from hshare.eval.harness import evaluation_config
+    from hshare.eval.sweep import finished, run_path
+
+    budget = "hshare-refine-successors-c4@512+planner=auto+share_scorings=1/3+layer_sharing=1/8+head_sharing=1/3"
+    spec = load_sweep(_write(tmp_path, f"configs: [hshare-refine-successors-c4@512, '{budget}', dense]\n"))
+    out, calls = tmp_path / "out", []
+    run_sweep(spec, lambda e: _fake_result(e.name, calls), out, ["gsm8k"], 2)
+    for entry in spec.entries:
+        path = run_path(out, entry)
+        saved = json.loads(path.read_text())
+        assert finished(out, entry, ["gsm8k"], 2) is not None
+        config = evaluation_config(entry.config())
+        for section, fields in saved["identity"]["config"].items():
+            if not isinstance(fields, dict):
+                continue
+            default = type(getattr(config, section))()
+            for key in fields:
+                older = copy.deepcopy(saved)
+                del older["identity"]["config"][section][key]
+                path.write_text(json.dumps(older))
+                at_default = key == "name" or getattr(getattr(config, section), key) == getattr(default, key)
+                assert (finished(out, entry, ["gsm8k"], 2) is not None) == at_default, (entry.name, section, key)
+        newer = copy.deepcopy(saved)  # a field the current hshare lacks: not the same config
+        newer["identity"]["config"]["planner"]["retired"] = 1
+        path.write_text(json.dumps(newer))
+        assert finished(out, entry, ["gsm8k"], 2) is None
+        path.write_text(json.dumps(saved))
+    older = copy.deepcopy(json.loads(run_path(out, spec.entries[1]).read_text()))
+    del older["identity"]["config"]["planner"]["scorings"]  # the budget run, made before planner.scorings existed
+    run_path(out, spec.entries[1]).write_text(json.dumps(older))
+    run_sweep(spec, lambda e: _fake_result(e.name, calls), out, ["gsm8k"], 2)
+    assert calls[3:] == [budget]  # only the run whose config the missing field changes ran again
+
+
 def test_summary_relative_scores_costs_and_files(tmp_path):
     calls = []
     records = [{"name": n, "work": r.work, "scores": r.scores, "seconds": r.seconds}
