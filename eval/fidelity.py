@@ -205,7 +205,7 @@ def config_label(config) -> str:
     return config if isinstance(config, str) else str(getattr(config, "name", config))
 
 
-def _resolve_configs(configs: Sequence, overrides: dict[str, Any]) -> list[tuple[str, Any]]:
+def resolve_configs(configs: Sequence, overrides: dict[str, Any]) -> list[tuple[str, Any]]:
     """``[(label, HShareConfig)]`` with dense fallback off unless `overrides` sets it; resolved
     before any work so that a bad name or field fails at once."""
     from hshare.eval.harness import evaluation_config
@@ -217,7 +217,8 @@ def _resolve_configs(configs: Sequence, overrides: dict[str, Any]) -> list[tuple
     return [(config_label(c), evaluation_config(c, overrides)) for c in configs]  # unknown fields: ConfigError
 
 
-def _check_lengths(model, lengths: Sequence[int], steps: int) -> None:
+def check_lengths(model, lengths: Sequence[int], steps: int) -> None:
+    """Each context length plus `steps` decoded tokens fits the model's ``max_position_embeddings``."""
     limit = getattr(model.config, "max_position_embeddings", None)
     for length in lengths:
         if length < 1:
@@ -298,8 +299,8 @@ def measure_fidelity(model, tokenizer_or_ids, text: str | None, lengths: Sequenc
     if steps < 1 or batch < 1:
         raise ValueError(f"steps = {steps}, batch = {batch}; accepted: integers >= 1")
     lengths = sorted(set(int(n) for n in lengths))
-    _check_lengths(model, lengths, steps)
-    resolved = _resolve_configs(configs, dict(overrides or {}))
+    check_lengths(model, lengths, steps)
+    resolved = resolve_configs(configs, dict(overrides or {}))
     ids = text_token_ids(tokenizer_or_ids, text)
     offsets = {n: window_offsets(len(ids), n, windows) for n in lengths}  # fails before any work
 

@@ -1,4 +1,4 @@
-"""The ``hshare`` command: ``demo``, ``eval``, ``sweep``, ``fidelity``, ``calibrate``, ``presets``,
+"""The ``hshare`` command: ``demo``, ``eval``, ``sweep``, ``fidelity``, ``plan``, ``calibrate``, ``presets``,
 ``bench attention|prefix|generate|grid|plot``."""
 
 from __future__ import annotations
@@ -55,6 +55,12 @@ def _presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rounds_arg(text: str) -> int:  # torch is imported only where the option is given
+    from hshare.bench.generate import rounds_arg
+
+    return rounds_arg(text)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -69,8 +75,6 @@ def _bench(args: argparse.Namespace) -> int:
         paths = tuple(args.paths.split(",")) if args.paths else bench.generate.PATHS
         try:
             bench.generate.check_paths(paths)
-            if args.rounds < 1:
-                raise ValueError(f"--rounds {args.rounds}; accepted: at least 1")
         except ValueError as error:
             raise SystemExit(f"hshare bench generate --paths: {error}") from None
         bench.main_generate(Path(args.out), args.shape, args.batch, args.prompt, args.new_tokens, paths, args.shared,
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--layers", type=int, default=None, help="generate: cut the model to this many layers")
     bench.add_argument("--repeats", type=int, default=1,
                        help="generate: timed pairs (1-token, N-token generate) per path; the row gives the median")
-    bench.add_argument("--rounds", type=int, default=1,
+    bench.add_argument("--rounds", type=_rounds_arg, default=1,
                        help="generate: the paths measured in turn this many times, every other round reversed (A B, "
                             "B A, ...); a row's rate is the median over its rounds (an A/B in one process)")
     bench.add_argument("--timing", choices=("pairs", "steps"), default="pairs",
@@ -156,10 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("eval", help="lm-eval with the 'hshare' model and local task data (hshare eval --help)",
                         add_help=False)
     from hshare.eval.fidelity import add_fidelity_parser
+    from hshare.eval.plan import add_plan_parser
     from hshare.eval.sweep import add_sweep_parser
 
     add_sweep_parser(commands)
     add_fidelity_parser(commands)
+    add_plan_parser(commands)
 
     args = parser.parse_args(argv)
     return args.run(args)

@@ -213,7 +213,7 @@ def test_grid_smoke_runs_paths_with_overrides(tmp_path):
     assert all(not row["error"] and row["decode_tok_s"] > 0 for row in rows)
 
 
-def test_rounds_alternate_the_order_and_keep_every_run(monkeypatch):
+def test_rounds_alternate_the_order_and_keep_every_run(monkeypatch, capsys):
     """``rounds=3``: the paths measured A B, B A, A B in one process (``static`` once); each row keeps its three
     rounds' runs and their median; a path that fails in a later round keeps its rounds and says so; a path given
     twice is refused (one row is kept per path)."""
@@ -248,8 +248,10 @@ def test_rounds_alternate_the_order_and_keep_every_run(monkeypatch):
         grid.main(["--smoke", "--paths", "dense,dense"])
     with pytest.raises(SystemExit, match="paths dense given more than once"):
         cli.main(["bench", "generate", "--smoke", "--paths", "dense,dense"])
-    with pytest.raises(SystemExit, match="--rounds 0; accepted: at least 1"):
-        cli.main(["bench", "generate", "--smoke", "--paths", "dense", "--rounds", "0"])
+    for main, args in ((cli.main, ["bench", "generate", "--smoke"]), (grid.main, ["--smoke"])):
+        with pytest.raises(SystemExit):
+            main([*args, "--paths", "dense", "--rounds", "0"])
+        assert "argument --rounds: 0; accepted: at least 1" in capsys.readouterr().err
 
 
 def _row(path: str, batch: int, prompt: int, rate: float, peak: float = 20.0, error: str = "") -> GenerateRow:

@@ -50,6 +50,7 @@ is computed.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -576,6 +577,14 @@ def bench_cells(shape: str, cells: list[tuple[int, int]], new_tokens: int, paths
         set_agreement(cell_rows, {path: new for path, (_, new) in measured[cell].items() if new is not None})
         rows.extend(cell_rows)
     return rows
+
+
+def rounds_arg(text: str) -> int:
+    """The ``--rounds`` option's argparse type (``hshare bench generate``, the grid): an int, at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}; accepted: at least 1")
+    return value
 
 
 def check_paths(paths) -> None:

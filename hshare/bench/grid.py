@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                              "(default dense,hshare-1_2-1_2-1_2@512+dense_fallback_mib=0)")
     parser.add_argument("--new-tokens", type=int, default=32, help="new tokens per generate (default 32)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per path (default 1)")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=generate.rounds_arg, default=1,
                         help="the paths measured this many times in turn, every other round reversed (A B, B A, "
                              "...): a row's rate is the median over its rounds (default 1)")
     parser.add_argument("--timing", choices=generate.TIMINGS, default="steps",
@@ -232,8 +232,6 @@ def main(argv: list[str] | None = None) -> int:
         for path in paths:
             split_overrides(path)
         generate.check_paths(paths)
-        if args.rounds < 1:
-            raise ValueError(f"--rounds {args.rounds}; accepted: at least 1")
     except ValueError as error:
         raise SystemExit(str(error)) from None
     on_gpu = torch.cuda.is_available() and not args.smoke
