@@ -34,6 +34,9 @@ class EvalResult:
         work: summed work counters of the generations (`WorkTotals.as_dict`).
         seconds: wall time of the evaluation.
         limit: lm-eval's ``limit`` (documents per task), None = all.
+        plan: what the generations' sharing plans share, the mean over the batches of `SharingPlan.summary`
+            (layer copies, head copies, the share of (layer, selection head) pairs scoring the whole context);
+            empty where no batch made a plan (dense).
         samples: per-document records when asked for (lm-eval's ``samples``), else None.
     """
 
@@ -42,6 +45,7 @@ class EvalResult:
     work: dict[str, int]
     seconds: float
     limit: int | float | None
+    plan: dict[str, float] = field(default_factory=dict)
     samples: dict[str, list] | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -160,5 +164,6 @@ def evaluate(model, tokenizer, config: HShareConfig | str, tasks: "list[str] | T
         work=lm.work.as_dict(),
         seconds=time.perf_counter() - start,
         limit=limit,
+        plan=lm.work.plan_mean(),
         samples=results.get("samples") if log_samples else None,
     )

@@ -160,8 +160,10 @@ def primary_metric(scores: dict[str, float]) -> str | None:
 
 
 def summarize(records: list[dict[str, Any]], reference: str = "dense") -> list[dict[str, Any]]:
-    """One row per config: primary metric per task, its share of `reference`'s, and the costs."""
+    """One row per config: primary metric per task, its share of `reference`'s, the costs, and what its
+    sharing plans share (``plan_<name>``, the run's mean `SharingPlan.summary`; None in a run without one)."""
     ref = next((r for r in records if r["name"] == reference), None)
+    plan_names = list(dict.fromkeys(name for r in records for name in r.get("plan") or {}))
     rows = []
     for record in records:
         row: dict[str, Any] = {"config": record["name"]}
@@ -174,6 +176,7 @@ def summarize(records: list[dict[str, Any]], reference: str = "dense") -> list[d
             base = ref["scores"].get(task, {}).get(metric) if ref else None
             row[f"{task}:vs_{reference}"] = (value / base) if base else None
         row.update(cost_columns(record["work"]))
+        row.update({f"plan_{name}": (record.get("plan") or {}).get(name) for name in plan_names})
         row["seconds"] = record.get("seconds")
         rows.append(row)
     return rows

@@ -13,6 +13,7 @@ from lm_eval.api.registry import get_model
 import hshare
 from hshare.config import ConfigError
 from hshare.eval.lm_eval_model import HShareLM, evaluation_config, parse_overrides
+from hshare.planner import sources_for_ratio
 
 from conftest import tiny_llama
 from eval_support import BYTE_VOCAB, byte_tokenizer
@@ -54,7 +55,7 @@ def test_dense_generations_equal_the_unpatched_model_and_sparse_ones_count_work(
     dense = HShareLM(pretrained=model, tokenizer=tokenizer, hshare="dense", batch_size=3)
     assert dense.generate_until(_requests(PROMPTS)) == plain
     assert dense.work.generate_calls == 1 and dense.work.counters["decode_steps"] == 9
-    assert dense.work.counters["score_computations"] == 0
+    assert dense.work.counters["score_computations"] == 0 and dense.work.plan_mean() == {}
     dense.unpatch()
 
     sparse = HShareLM(pretrained=model, tokenizer=tokenizer, hshare="ds", batch_size=3,
@@ -65,6 +66,7 @@ def test_dense_generations_equal_the_unpatched_model_and_sparse_ones_count_work(
     assert work["decode_steps"] == 9 and work["dense_fallback_steps"] == 0
     # ds: every (row, layer, KV head) scores at every decode step
     assert work["score_computations"] == 9 * 3 * 3 * 2
+    assert sparse.work.plan_mean() == {"layer_copies": 0.0, "head_copies": 0.0, "selecting": 1.0}  # no sharing
     assert hshare.api.patch_state(model).config.runtime.dense_fallback_mib == 0.0
     sparse.unpatch()
     assert hshare.api.patch_state(model) is None
@@ -121,6 +123,12 @@ def test_evaluate_gsm8k_coqa_multi_news_with_limit_2(tmp_path, monkeypatch):
     sparse = runs["hshare-1_2-1_2-1_2"].work
     assert sparse["decode_steps"] == runs["dense"].work["decode_steps"] > 0
     assert 0 < sparse["score_computations"] and sparse["plans"] == sparse["generate_calls"]
+    layers, heads = 3, 2  # every batch's plan: half the layers and half the KV heads select
+    assert runs["hshare-1_2-1_2-1_2"].plan == pytest.approx({
+        "layer_copies": layers - sources_for_ratio(0.5, layers),
+        "head_copies": sources_for_ratio(0.5, layers) * (heads - sources_for_ratio(0.5, heads)),
+        "selecting": sources_for_ratio(0.5, layers) * sources_for_ratio(0.5, heads) / (layers * heads)})
+    assert runs["dense"].plan == {}
     assert hshare.api.patch_state(model) is None  # unpatched after each evaluation
 
 

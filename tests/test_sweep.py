@@ -128,7 +128,10 @@ def test_summary_relative_scores_costs_and_files(tmp_path):
     records = [{"name": n, "work": r.work, "scores": r.scores, "seconds": r.seconds}
                for n in ("dense", "ds") for r in [_fake_result(n, calls)]]
     records[0]["work"] = {"score_computations": 0, "kv_rows_read": 100, "dense_kv_rows": 100}
+    records[1]["plan"] = {"layer_copies": 2.0, "selecting": 0.25}
     rows = summarize(records)
+    assert rows[0]["plan_selecting"] is None and rows[1]["plan_selecting"] == 0.25 and rows[1]["plan_layer_copies"] == 2.0
+    assert list(rows[0]) == list(rows[1])  # every row the same columns, seconds last
     assert rows[0]["gsm8k:vs_dense"] == 1.0 and rows[1]["gsm8k:vs_dense"] == pytest.approx(0.8)
     assert rows[0]["kv_read"] == 1.0 and rows[1]["kv_read"] == 0.25
     files = write_tables(rows, tmp_path, {"limit": 2})
