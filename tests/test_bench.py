@@ -249,9 +249,10 @@ def test_rounds_alternate_the_order_and_keep_every_run(monkeypatch, capsys):
     with pytest.raises(SystemExit, match="paths dense given more than once"):
         cli.main(["bench", "generate", "--smoke", "--paths", "dense,dense"])
     for main, args in ((cli.main, ["bench", "generate", "--smoke"]), (grid.main, ["--smoke"])):
-        with pytest.raises(SystemExit):
-            main([*args, "--paths", "dense", "--rounds", "0"])
-        assert "argument --rounds: 0; accepted: at least 1" in capsys.readouterr().err
+        for rounds in ("0", "two"):
+            with pytest.raises(SystemExit):
+                main([*args, "--paths", "dense", "--rounds", rounds])
+            assert f"argument --rounds: {rounds}; accepted: an integer, at least 1" in capsys.readouterr().err
 
 
 def _row(path: str, batch: int, prompt: int, rate: float, peak: float = 20.0, error: str = "") -> GenerateRow:

@@ -581,9 +581,12 @@ def bench_cells(shape: str, cells: list[tuple[int, int]], new_tokens: int, paths
 
 def rounds_arg(text: str) -> int:
     """The ``--rounds`` option's argparse type (``hshare bench generate``, the grid): an int, at least 1."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}; accepted: at least 1")
+        raise argparse.ArgumentTypeError(f"{text}; accepted: an integer, at least 1")
     return value
 
 
