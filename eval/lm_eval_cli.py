@@ -187,10 +187,13 @@ def _leave_process_group() -> None:
 
 
 def print_work(lm) -> None:
-    """Print the work counters of `lm`'s generations: summed over the data-parallel ranks, by rank
-    0 (every rank must call this: the sum is a collective)."""
+    """Print the work counters of `lm`'s generations and what their sharing plans shared: over the
+    data-parallel ranks, by rank 0 (every rank must call this: the sum is a collective)."""
     work = lm.work_over_ranks()
     if lm.rank != 0:
         return
     ranks = f", summed over {lm.world_size} data-parallel ranks" if lm.world_size > 1 else ""
     print(f"hshare work counters ({lm.hshare_config.name}{ranks}): {work.as_dict()}")
+    if work.planned:
+        print(f"hshare sharing plans ({lm.hshare_config.name}, the mean of {work.planned} batches' "
+              f"SharingPlan.summary): {work.plan_mean()}")

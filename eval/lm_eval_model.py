@@ -89,15 +89,16 @@ class WorkTotals:
         return {"generate_calls": self.generate_calls, **self.counters}
 
     @classmethod
-    def summed(cls, parts: Iterable[dict[str, int]]) -> "WorkTotals":
-        """The sum of several `as_dict` results (e.g. one per data-parallel rank)."""
+    def summed(cls, parts: Iterable["WorkTotals"]) -> "WorkTotals":
+        """The sum of several totals (e.g. one per data-parallel rank): counters and plan summaries."""
         total = cls()
         for part in parts:
-            for name, value in part.items():
-                if name == "generate_calls":
-                    total.generate_calls += int(value)
-                else:
-                    total.counters[name] = total.counters.get(name, 0) + int(value)
+            total.generate_calls += part.generate_calls
+            total.planned += part.planned
+            for name, value in part.counters.items():
+                total.counters[name] = total.counters.get(name, 0) + value
+            for name, value in part.plan_totals.items():
+                total.plan_totals[name] = total.plan_totals.get(name, 0.0) + value
         return total
 
 
@@ -226,7 +227,7 @@ class HShareLM(HFLM):
         if self.world_size <= 1:
             return self.work
         parts: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(parts, self.work.as_dict())
+        torch.distributed.all_gather_object(parts, self.work)
         return WorkTotals.summed(parts)
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):

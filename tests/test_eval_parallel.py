@@ -153,9 +153,10 @@ def test_padding_copies_and_work_sums():
     assert padding_copies([a, b, b, b]) == 2  # two copies of the rank's last request
     b.repeats = 2
     assert padding_copies([a, b, b]) == 0 and padding_copies([a, b, b, b, b]) == 2  # its own repeats are not
-    total = WorkTotals.summed([{"generate_calls": 2, "decode_steps": 6}, {"generate_calls": 1, "decode_steps": 3,
-                                                                        "plans": 1}])
+    total = WorkTotals.summed([WorkTotals(2, {"decode_steps": 6}, {"selecting": 2.0}, 2),
+                               WorkTotals(1, {"decode_steps": 3, "plans": 1}, {"selecting": 0.25}, 1)])
     assert total.as_dict() == {"generate_calls": 3, "decode_steps": 9, "plans": 1}
+    assert total.plan_mean() == {"selecting": 0.75}  # (1.0 + 1.0 + 0.25) / 3 batches, not a mean of the means
 
 
 def _requests(prompts, max_gen_toks=6):
@@ -212,7 +213,8 @@ def test_two_data_parallel_ranks_equal_one_process(setup, tmp_path, capsys):
 
     model_dir, data = setup
     assert main(_eval_args(model_dir, data, tmp_path / "one")) == 0
-    one_lines, one_work = _work_line(capsys.readouterr().out)
+    one_out = capsys.readouterr().out
+    one_lines, one_work = _work_line(one_out)
     assert len(one_lines) == 1 and "summed" not in one_lines[0] and one_work["generate_calls"] == 3
 
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
@@ -223,6 +225,8 @@ def test_two_data_parallel_ranks_equal_one_process(setup, tmp_path, capsys):
     lines, work = _work_line(proc.stdout)
     assert lines == [lines[0]] and "summed over 2 data-parallel ranks" in lines[0]  # printed once, by rank 0
     assert work == one_work  # rank 0: 2 documents, rank 1: 1 (+1 padding copy, not generated)
+    plans = lambda text: [line for line in text.splitlines() if line.startswith("hshare sharing plans")]  # noqa: E731
+    assert len(plans(one_out)) == 1 and plans(proc.stdout) == plans(one_out)  # the mean over both ranks' batches
     assert len(list((tmp_path / "two").rglob("results_*.json"))) == 1  # only rank 0 writes
     assert _results(tmp_path / "two") == _results(tmp_path / "one")
 

@@ -149,5 +149,6 @@ def test_hshare_eval_command_runs_lm_eval_with_local_tasks(tmp_path, monkeypatch
     printed = capsys.readouterr().out
     assert "gsm8k" in printed and "exact_match" in printed
     assert "hshare work counters (ds)" in printed and "'score_computations': " in printed
+    assert "'layer_copies': 0.0, 'head_copies': 0.0, 'selecting': 1.0}" in printed  # ds: every pair selects
     saved = list(out.rglob("results_*.json"))
     assert saved and json.loads(saved[0].read_text())["config"]["model"] == "hshare"
