@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hshare import compat
+from hshare.counters import WorkTotals
 
 # ---- forced-continuation fidelity against dense decoding -------------------------------------
 
@@ -248,23 +249,19 @@ def _measure_config(model, label: str, config, windows: torch.Tensor, tokens: to
 
     patch(model, config)
     agree = kl = 0.0
-    stats: dict[str, int] = {}
-    plans: list[dict[str, float]] = []
+    work = WorkTotals()
     for rows, prompts in _batches(windows, batch):
         cache = new_cache(model)
         logits = forced_decode_logits(model, prompts, tokens[rows], cache)
         reference = ref_logits[rows].to(logits.device)
         agree += float((logits.argmax(-1) == tokens[rows].to(logits.device)).sum())
         kl += float(kl_divergence(reference, logits).sum())
-        for name, value in dataclasses.asdict(cache.stats).items():
-            stats[name] = stats.get(name, 0) + value
-        if cache.planner.sharing is not None:
-            plans.append(cache.planner.sharing.summary(cache.sparse_layers))
+        work.add(cache.stats, cache.planner.sharing_summary())
     predictions = tokens.numel()
-    plan = {name: sum(p[name] for p in plans) / len(plans) for name in plans[0]} if plans else {}
     return FidelityResult(config=label, length=windows.shape[1], windows=windows.shape[0], steps=tokens.shape[1],
                           predictions=predictions, agreement=agree / predictions, kl=kl / predictions,
-                          budget=config.budget.total if config.sparse else None, stats=stats, plan=plan)
+                          budget=config.budget.total if config.sparse else None, stats=work.counters,
+                          plan=work.plan_mean())
 
 
 def measure_fidelity(model, tokenizer_or_ids, text: str | None, lengths: Sequence[int], configs: Sequence,

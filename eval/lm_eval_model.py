@@ -38,11 +38,9 @@ Several GPUs:
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from lm_eval.api.registry import register_model
@@ -50,56 +48,10 @@ from lm_eval.models.huggingface import HFLM
 
 from hshare.api import new_cache, patch, patch_state, refuse_split_placement, unpatch
 from hshare.config import ConfigError, HShareConfig, option_names
+from hshare.counters import WorkTotals
 from hshare.eval.harness import evaluation_config
 
 OVERRIDE_PREFIX = "hshare_"
-
-
-@dataclass
-class WorkTotals:
-    """Work counters of every generation an `HShareLM` ran (sums of `HShareCache.stats` fields), and what
-    their sharing plans share.
-
-    Attributes:
-        generate_calls: batches generated.
-        counters: field name of `hshare.cache.DecodeStats` -> sum over the batches.
-        plan_totals: `SharingPlan.summary` name -> sum over the batches that made a plan (`planned`).
-    """
-
-    generate_calls: int = 0
-    counters: dict[str, int] = field(default_factory=dict)
-    plan_totals: dict[str, float] = field(default_factory=dict)
-    planned: int = 0
-
-    def add(self, stats: Any, plan: dict[str, float] | None = None) -> None:
-        """One batch's `HShareCache.stats` and, where it made one, its plan's `SharingPlan.summary`."""
-        self.generate_calls += 1
-        for name, value in dataclasses.asdict(stats).items():
-            self.counters[name] = self.counters.get(name, 0) + int(value)
-        if plan:
-            self.planned += 1
-            for name, value in plan.items():
-                self.plan_totals[name] = self.plan_totals.get(name, 0.0) + float(value)
-
-    def plan_mean(self) -> dict[str, float]:
-        """The mean of the batches' plan summaries (empty: no batch made a plan)."""
-        return {name: total / self.planned for name, total in self.plan_totals.items()}
-
-    def as_dict(self) -> dict[str, int]:
-        return {"generate_calls": self.generate_calls, **self.counters}
-
-    @classmethod
-    def summed(cls, parts: Iterable["WorkTotals"]) -> "WorkTotals":
-        """The sum of several totals (e.g. one per data-parallel rank): counters and plan summaries."""
-        total = cls()
-        for part in parts:
-            total.generate_calls += part.generate_calls
-            total.planned += part.planned
-            for name, value in part.counters.items():
-                total.counters[name] = total.counters.get(name, 0) + value
-            for name, value in part.plan_totals.items():
-                total.plan_totals[name] = total.plan_totals.get(name, 0.0) + value
-        return total
 
 
 class SplitPlacementError(ValueError):
@@ -235,8 +187,7 @@ class HShareLM(HFLM):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         cache = new_cache(self._model)
         out = super()._model_generate(context, max_length, stop, past_key_values=cache, **generation_kwargs)
-        plan = cache.planner.sharing
-        self.work.add(cache.stats, plan.summary(cache.sparse_layers) if plan is not None else None)
+        self.work.add(cache.stats, cache.planner.sharing_summary())
         return out
 
     def unpatch(self) -> None:

@@ -26,7 +26,7 @@ from hshare.eval.fidelity import (
     check_lengths, forced_decode_logits, parse_configs, parse_lengths, parse_override, resolve_configs,
     text_token_ids, window_offsets,
 )
-from hshare.planner import SharingPlan
+from hshare.step import StepPlanner
 
 
 @dataclass
@@ -76,11 +76,11 @@ def plan_lines(plan: ConfigPlan) -> list[str]:
     return lines
 
 
-def _read_plan(label: str, windows: torch.Tensor, sharing: SharingPlan | None, sparse_layers: list[int]) -> ConfigPlan:
-    if sharing is None:
-        return ConfigPlan(label, windows.shape[1], windows.shape[0], [], [], list(sparse_layers), {})
-    return ConfigPlan(label, windows.shape[1], windows.shape[0], sharing.layer_source.tolist(),
-                      sharing.head_source.tolist(), list(sparse_layers), sharing.summary(list(sparse_layers)))
+def _read_plan(label: str, windows: torch.Tensor, planner: StepPlanner) -> ConfigPlan:
+    sharing = planner.sharing
+    return ConfigPlan(label, windows.shape[1], windows.shape[0], [] if sharing is None else sharing.layer_source.tolist(),
+                      [] if sharing is None else sharing.head_source.tolist(), list(planner.sparse_layers),
+                      planner.sharing_summary())
 
 
 def measure_plans(model, tokenizer_or_ids, text: str | None, length: int, configs: Sequence, batch: int = 1,
@@ -110,7 +110,7 @@ def measure_plans(model, tokenizer_or_ids, text: str | None, length: int, config
             patch(model, config)
             cache = new_cache(model)
             forced_decode_logits(model, windows, windows[:, :2], cache)  # the prefill and a decode step: planned
-            plans.append(_read_plan(label, windows, cache.planner.sharing, cache.sparse_layers))
+            plans.append(_read_plan(label, windows, cache.planner))
     finally:
         unpatch(model)
         if previous_config is not None:

@@ -6,7 +6,9 @@ tokens / pages); device tensors where it is data (`WorkCounters`: K/V rows read,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 import torch
 
@@ -65,6 +67,54 @@ class DecodeStats:
     scored_keys: int = 0
     kv_rows_read: int = 0
     dense_kv_rows: int = 0
+
+
+@dataclass
+class WorkTotals:
+    """Work counters of several generations (sums of `HShareCache.stats` fields: an `HShareLM`'s, a fidelity
+    config's), and what their sharing plans share.
+
+    Attributes:
+        generate_calls: batches generated.
+        counters: field name of `DecodeStats` -> sum over the batches.
+        plan_totals: `SharingPlan.summary` name -> sum over the batches that made a plan (`planned`).
+    """
+
+    generate_calls: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+    plan_totals: dict[str, float] = field(default_factory=dict)
+    planned: int = 0
+
+    def add(self, stats: Any, plan: dict[str, float] | None = None) -> None:
+        """One batch's `HShareCache.stats` and, where it made one, its plan's summary
+        (`StepPlanner.sharing_summary`)."""
+        self.generate_calls += 1
+        for name, value in dataclasses.asdict(stats).items():
+            self.counters[name] = self.counters.get(name, 0) + int(value)
+        if plan:
+            self.planned += 1
+            for name, value in plan.items():
+                self.plan_totals[name] = self.plan_totals.get(name, 0.0) + float(value)
+
+    def plan_mean(self) -> dict[str, float]:
+        """The mean of the batches' plan summaries (empty: no batch made a plan)."""
+        return {name: total / self.planned for name, total in self.plan_totals.items()}
+
+    def as_dict(self) -> dict[str, int]:
+        return {"generate_calls": self.generate_calls, **self.counters}
+
+    @classmethod
+    def summed(cls, parts: Iterable["WorkTotals"]) -> "WorkTotals":
+        """The sum of several totals (e.g. one per data-parallel rank): counters and plan summaries."""
+        total = cls()
+        for part in parts:
+            total.generate_calls += part.generate_calls
+            total.planned += part.planned
+            for name, value in part.counters.items():
+                total.counters[name] = total.counters.get(name, 0) + value
+            for name, value in part.plan_totals.items():
+                total.plan_totals[name] = total.plan_totals.get(name, 0.0) + value
+        return total
 
 
 _KV_ROWS_READ, _DENSE_KV_ROWS, _SPARSE_STEPS = 0, 1, 2  # slots of the WorkCounters tensors

@@ -187,7 +187,12 @@ class StepPlanner:
         self.sparse_layers = [i for i in range(self.num_layers) if i not in dense] if self.config.sparse else []
         self._sparse = frozenset(self.sparse_layers)
 
+    def sharing_summary(self) -> dict[str, float]:
+        """What the sharing plan shares (`SharingPlan.summary` over the sparse layers); empty without a plan."""
+        return {} if self.sharing is None else self.sharing.summary(self.sparse_layers)
+
     # ---- layer roles --------------------------------------------------------------------
+
     def is_sparse(self, layer: int) -> bool:
         """Whether `layer` keeps selection metadata and may attend sparsely."""
         return layer in self._sparse and not self.dense_throughout
