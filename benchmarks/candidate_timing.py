@@ -12,6 +12,7 @@ compiles, agrees and is faster than the twin.
     python3 benchmarks/candidate_timing.py --widths 1728,7872 --shapes 4x8x32768
     python3 benchmarks/candidate_timing.py --widths 3776 --shapes 16x32x4096 --maxnreg 128   # a register cap
     python3 benchmarks/candidate_timing.py --widths 3776 --shapes 4x8x32768 --keys --group 4   # refine_by keys too
+    python3 benchmarks/candidate_timing.py --widths 3776 --shapes 4x8x32768 --score-tiles 0,256   # split scoring
 
 `--keys` also times the refinement by exact logits (`candidate_keys_triton.candidate_key_topk_triton`, bf16 keys
 ``[rows, heads, n, 128]``, `--group` query heads a head) against its twin.
@@ -54,6 +55,9 @@ def main() -> None:
                         help="registers a thread at most, both kernels (default: theirs; 0: no cap)")
     parser.add_argument("--keys", action="store_true", help="also the refinement by exact logits (bf16 keys)")
     parser.add_argument("--group", type=int, default=1, help="query heads a head for --keys (default 1)")
+    parser.add_argument("--score-tiles", default=None,
+                        help="also the label kernels with their scoring in a launch of its own, at these candidates "
+                             "a scoring program (comma-separated; 0: scored in the top-k's program)")
     parser.add_argument("--key-tiles", default=None,
                         help="--keys also at these candidates a scoring program (comma-separated; default: the kernel's)")
     args = parser.parse_args()
@@ -82,10 +86,12 @@ def main() -> None:
             limits = label_topk_triton.MAX_CANDIDATES, label_topk_triton.MAX_WALK_CANDIDATES
             label_topk_triton.MAX_CANDIDATES = label_topk_triton.MAX_WALK_CANDIDATES = max(*limits, width)
             try:
+                score_tile = None  # the kernels' rule
+
                 def topk_triton():
                     return label_topk_triton.candidate_label_topk_triton(
                         query, chans, codes, scale, zero, args.bits, heavy, candidates, all_rows, all_heads,
-                        selectable, num_warps=args.warps, max_registers=args.maxnreg)
+                        selectable, num_warps=args.warps, max_registers=args.maxnreg, score_tile=score_tile)
 
                 def topk_twin():
                     return candidate_label_topk_torch(query, chans, codes, scale, zero, args.bits, heavy, candidates,
@@ -94,7 +100,7 @@ def main() -> None:
                 def walk_triton():  # the candidates ascending, as a selection's label top-k writes them; and their
                     return label_topk_triton.candidate_label_walk_triton(  # best heavy, as refinement asks
                         query, chans, codes, scale, zero, args.bits, candidates, all_rows, all_heads, selectable,
-                        heavy, ascending=True, num_warps=args.warps, max_registers=args.maxnreg)
+                        heavy, ascending=True, num_warps=args.warps, max_registers=args.maxnreg, score_tile=score_tile)
 
                 def walk_twin():
                     return candidate_label_walk_torch(query, chans, codes, scale, zero, args.bits, candidates,
@@ -126,6 +132,13 @@ def main() -> None:
                                    topk_twin_us=graph_time_us(topk_twin, device),
                                    walk_triton_us=graph_time_us(walk_triton, device),
                                    walk_twin_us=graph_time_us(walk_twin, device))
+                        for score_tile in map(int, args.score_tiles.split(",") if args.score_tiles else ()):
+                            same = (torch.equal(topk_triton(), topk_twin())
+                                    and all(torch.equal(a, b) for a, b in zip(walk_triton(), walk_twin())))
+                            row[f"score_tile{score_tile}"] = {"topk_us": graph_time_us(topk_triton, device),
+                                                              "walk_us": graph_time_us(walk_triton, device),
+                                                              "equal_to_twin": same}
+                        score_tile = None
                         if args.keys:
                             row.update(keys_triton_us=graph_time_us(keys_triton, device),
                                        keys_twin_us=graph_time_us(keys_twin, device))
@@ -145,6 +158,8 @@ def main() -> None:
                 return f"{value:.1f}" if value else "n/a"
             tiles = {key[len("keys_triton_us_"):]: round(value, 1) for key, value in row.items()
                      if key.startswith("keys_triton_us_tile")}
+            tiles.update({key: {k: round(v, 1) if isinstance(v, float) else v for k, v in value.items()}
+                          for key, value in row.items() if key.startswith("score_tile")})
             print(" | ".join([shape, str(width), us("topk_triton_us"), us("topk_twin_us"), us("walk_triton_us"),
                               us("walk_twin_us"), us("keys_triton_us"), us("keys_twin_us"), json.dumps(agree)])
                   + (f" | {json.dumps(tiles)}" if tiles else ""), flush=True)

@@ -8,8 +8,8 @@ Two launches:
    no candidate, outside the mask or a non-finite logit) to the row-head's slots of a scratch buffer. One tile a
    program and few registers: many programs an SM keep the gathers in flight (the tile chosen with
    `benchmarks/candidate_timing.py --key-tiles`).
-2. `_candidate_key_select`, a program per row-head: its C keys from the scratch (L2) and the columns of its top
-   `heavy` in candidate order (`key_search_triton._top_columns`, the label candidate top-k's search).
+2. `label_topk_triton.top_scored`, a program per row-head: its C keys from the scratch (L2) and the columns of its
+   top `heavy` in candidate order (the label candidate top-k's program and search, reading the keys).
 
 Bytes: each candidate's key row once, its mask byte, 4 bytes of scratch written and read; the candidates' columns
 twice. Sized on the host from shapes only, so the launches are CUDA-graph capturable.
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .key_search_triton import _score_key, _top_columns
-from .label_topk_triton import MAX_CANDIDATES, TAIL_TILE, _row_head, index_operands
+from .key_search_triton import _score_key
+from .label_topk_triton import MAX_CANDIDATES, _row_head, index_operands, top_scored
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 TILE_C = 64  # candidates (key rows) a scoring program scores
@@ -64,26 +64,6 @@ def _candidate_key_scores(
     tl.store(scratch_row + slots, tl.where(ok, _score_key(score), -2147483648), mask=present)
 
 
-@triton.jit
-def _candidate_key_select(
-    heads_ptr, cand_ptr, out_ptr, scratch_ptr, heavy, candidates, s_hb, s_ca, s_ch, s_oa, s_oh,
-    HEADS: tl.constexpr, HEADS_INDEXED: tl.constexpr, C_PAD: tl.constexpr, TILE: tl.constexpr,
-    BY_HEAD: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """Program (row-head pid): the columns of its top `heavy` keys, in candidate order, then NO_TOKEN (BY_HEAD: at
-    its head's entry of every selection head's output)."""
-    wait_for_previous_kernel(PDL)
-    pid = tl.program_id(0)
-    i, _, head = _row_head(heads_ptr, heads_ptr, pid, s_hb, HEADS, False, HEADS_INDEXED)
-    entry = head if BY_HEAD else (pid % HEADS).to(tl.int64)
-    slots = tl.arange(0, C_PAD)
-    present = slots < candidates
-    key = tl.load(scratch_ptr + pid.to(tl.int64) * C_PAD + slots, mask=present, other=-2147483648)
-    cols = tl.load(cand_ptr + i * s_ca + entry * s_ch + slots, mask=present, other=-1)
-    _top_columns(out_ptr + i * s_oa + entry * s_oh, key, cols, heavy, TILE)
-
-
 def candidate_key_topk_triton(query: torch.Tensor, keys: torch.Tensor, heavy: int, candidates: torch.Tensor,
                               selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                               heads: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
@@ -119,9 +99,5 @@ def candidate_key_topk_triton(query: torch.Tensor, keys: torch.Tensor, heavy: in
         ROWS_INDEXED=flags["ROWS_INDEXED"], GROUP=q_heads // keys.shape[1], DIM=dim, HAS_MASK=selectable is not None,
         TILE_C_=TILE_C, **shape, num_warps=num_warps or 4, **pdl_options(keys.device),
     )
-    _candidate_key_select[(programs,)](
-        heads, candidates, out, scratch, heavy, width, s_hb, candidates.stride(0), candidates.stride(1),
-        out.stride(0), out.stride(1), TILE=min(TAIL_TILE, pad), **shape, num_warps=max(4, min(16, pad // 512)),
-        **pdl_options(keys.device),
-    )
+    top_scored(scratch, candidates, out, heavy, heads, s_hb, n_heads, flags["HEADS_INDEXED"], by_head)
     return out

@@ -132,6 +132,27 @@ def _exact_threshold(key, weight, buf_ptr, span, r, lo, count_lo, hi, first_valu
 
 
 @triton.jit
+def _stats_combine(count_a, low_a, high_a, sum_a, square_a, count_b, low_b, high_b, sum_b, square_b):
+    """`tl.reduce` combine of `_key_stats`: a count, a minimum, a maximum and two sums."""
+    return (count_a + count_b, tl.minimum(low_a, low_b), tl.maximum(high_a, high_b), sum_a + sum_b,
+            square_a + square_b)
+
+
+@triton.jit
+def _key_stats(key, ok):
+    """Of the keys ``[N]`` where `ok`, in one reduction: their count, smallest and largest key (INT32_MAX and
+    INT32_MIN where none), and their scores' mean and standard deviation (by the mean square: a first pivot's
+    guess, not a statistic reported; 0 where none)."""
+    values = tl.where(ok, _key_value(key), 0.0)
+    count, smallest, largest, total, square = tl.reduce(
+        (ok.to(tl.int32), tl.where(ok, key, 2147483647), tl.where(ok, key, -2147483648), values, values * values), 0,
+        _stats_combine)
+    present = tl.maximum(count, 1).to(tl.float32)
+    mean = total / present
+    return count, smallest, largest, mean, tl.sqrt(tl.maximum(square / present - mean * mean, 0.0))
+
+
+@triton.jit
 def _moments(key, ok, count):
     """Mean and standard deviation of the scores of the keys where `ok` (`count` of them, > 0)."""
     values = _key_value(key)

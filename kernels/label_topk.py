@@ -32,12 +32,13 @@ tensor), everything else (the CPU path, the test oracle, fp64) to the twins `lab
 `candidate_label_topk` (candidate-set refinement) is the same selection over a given list of candidate
 columns per (row, head) instead of every column: its "window" is the candidates in `selectable`, its
 columns come in candidate order (ascending when the candidates are), ties go to the earlier candidate.
-CUDA: one launch of `label_topk_triton.candidate_label_topk_triton`; the twin
-`candidate_label_topk_torch` scores the candidates (`labels.candidate_label_scores`).
+CUDA: `label_topk_triton.candidate_label_topk_triton`, a program per (row, head) holding its candidates' keys
+(one launch; at few row-heads two, the scoring spread over the SMs first); the twin `candidate_label_topk_torch`
+scores the candidates (`labels.candidate_label_scores`).
 
 `candidate_label_walk` (`SharingConfig.successors`) scores a selection's top columns the same way and walks
-them in rank order with their successors (`successors.with_successors`). CUDA: one launch of
-`label_topk_triton.candidate_label_walk_triton`; the twin `candidate_label_walk_torch`.
+them in rank order with their successors (`successors.with_successors`). CUDA:
+`label_topk_triton.candidate_label_walk_triton` (launched as the top-k); the twin `candidate_label_walk_torch`.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ def candidate_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: tor
         ``[A, H', heavy]`` int64 (or `out`): the columns of the ``min(heavy, allowed)`` best-scored allowed
         candidates (in a selectable column, finite score) in candidate order, then ``NO_TOKEN``; among equal
         scores at the heavy-th the earlier candidates are chosen. Only the candidates' label rows are read (CUDA:
-        one Triton launch, `label_topk_triton.candidate_label_topk_triton`, up to its ``MAX_CANDIDATES``; wider:
-        the twin, with a RuntimeWarning).
+        `label_topk_triton.candidate_label_topk_triton`, up to its ``MAX_CANDIDATES``; wider: the twin, with a
+        RuntimeWarning).
     """
     if out is not None and heads is None:
         raise ValueError("candidate_label_topk: out= refines some heads in place; accepted: heads [A or 1, H'] given")
@@ -164,7 +165,7 @@ def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: tor
 
     Returns:
         ``(taken, best)``, ``[A, H', C]`` and ``[A, H', top]`` int64, ascending: `successors.with_successors` of
-        the allowed candidates and their label scores. Only the candidates' label rows are read (CUDA: one Triton launch,
+        the allowed candidates and their label scores. Only the candidates' label rows are read (CUDA:
         `label_topk_triton.candidate_label_walk_triton`, up to its ``MAX_WALK_CANDIDATES``; wider: the twin, with a
         RuntimeWarning).
     """

@@ -42,6 +42,13 @@ unevenly, in a slot range at most about twice that (the sketch's resolution belo
 ``chunks * (heavy + heavy / 4 + 1)``, the buffer's allocated size). Everything is sized on the host from
 shapes only (no device read), so the launches are CUDA-graph capturable; the buffers need no clearing
 (the first launch resets the tickets and writes each list's length).
+
+The candidate kernels (refinement, `SharingConfig.candidates`) take a list of C columns per row-head instead:
+`_label_candidates`, a program per row-head, holds its C keys in registers and writes its top `heavy` or walks
+them (`_candidate_tail`). It scores them itself, or, where a program a row-head would leave half the SMs idle
+(`split_scoring`: B4 x 8 KV heads), reads them from a scratch row that `_label_candidate_scores` wrote in a launch
+before it, `SCORE_TILE` candidates a program (the gathers of the label rows spread over the SMs; the scratch is
+4 bytes a slot, written and read once).
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ MAX_CHUNKS = 64  # longer rows take longer chunks (the bound L compares every sk
 TAIL_TILE = 4096  # candidates per tile of the last program's search and writes
 MAX_CANDIDATES = 16384  # candidate columns per (row, head) that `candidate_label_topk_triton` holds in registers
 MAX_WALK_CANDIDATES = 8192  # the same for `candidate_label_walk_triton` (a register sort; wider ones: the twin)
+SCORE_TILE = 256  # candidates a program of a split scoring launch scores (`split_scoring`)
 # Registers: a launch whose grid has more programs than its SMs hold at once is capped at 128 registers a
 # thread (a few spills), so that one more program shares an SM: a wave fewer, or latency hidden. Programs an SM
 # holds uncapped, over 4-bit labels:
@@ -290,38 +298,81 @@ def _label_topk_sketch(
 
 
 @triton.jit
+def _candidate_tail(out_row, best_row, window_row, cols, key, n, heavy, top, C_PAD: tl.constexpr, TILE: tl.constexpr,
+                    WALK: tl.constexpr, ASCENDING: tl.constexpr):
+    """One row-head's candidates ``[C_PAD]`` (columns, int32 keys; INT32_MIN: none) into its output: the columns of
+    its top `heavy` in candidate order at `out_row`, or (WALK) all of them walked with their successors there and
+    their best `top` at `best_row` (`successors_triton._walk`; `window_row`: the row's selectable columns)."""
+    if WALK:
+        _walk(out_row, best_row, cols.to(tl.int64), key, key != -2147483648, window_row, n, heavy, top, C_PAD,
+              ASCENDING)
+    else:
+        _top_columns(out_row, key, cols, heavy, TILE)
+
+
+@triton.jit
 def _label_candidates(
     query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, out_ptr,
-    best_ptr, n, heavy, candidates, top,
+    best_ptr, scratch_ptr, n, heavy, candidates, top,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh, s_oa, s_oh,
     HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
     BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr,
     HAS_MASK: tl.constexpr,
     C_PAD: tl.constexpr, TILE: tl.constexpr, WALK: tl.constexpr, ASCENDING: tl.constexpr, BY_HEAD: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SCORED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Program (row-head pid): the row-head's candidates' keys (a negative column, one outside the mask or
     scored non-finite has none), then its top `heavy` columns in candidate order, or (WALK, with the mask:
     the window) all of them walked with their successors, and their best `top` (`successors_triton._walk`;
     `heavy` = candidates; ASCENDING: the candidates are ascending, then negative, so not sorted into column
     order). BY_HEAD: the candidates and the output are every selection head's, and the program reads and writes
-    its own head's entry (else its position among the row's heads)."""
+    its own head's entry (else its position among the row's heads). SCORED: the keys are the row-head's row of
+    the scratch ``[A * H', C_PAD]`` int32 (`_label_candidate_scores`, or `candidate_keys_triton`'s), not scored
+    here."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     i, row, head = _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS, ROWS_INDEXED, HEADS_INDEXED)
     entry = head if BY_HEAD else (pid % HEADS).to(tl.int64)
     slots = tl.arange(0, C_PAD)
-    cols = tl.load(cand_ptr + i * s_ka + entry * s_kh + slots, mask=slots < candidates, other=-1).to(tl.int32)
+    present = slots < candidates
+    cols = tl.load(cand_ptr + i * s_ka + entry * s_kh + slots, mask=present, other=-1).to(tl.int32)
+    if SCORED:
+        key = tl.load(scratch_ptr + pid.to(tl.int64) * C_PAD + slots, mask=present, other=-2147483648)
+    else:
+        key = _chunk_keys(query_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
+                          pid, i, row, head, cols, tl.zeros((), tl.int32), tl.zeros((), tl.int32) + n,
+                          s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_mb,
+                          R, R_PAD, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
+    _candidate_tail(out_ptr + i * s_oa + entry * s_oh, best_ptr + pid.to(tl.int64) * top, mask_ptr + i * s_mb, cols,
+                    key, n, heavy, top, C_PAD, TILE, WALK, ASCENDING)
+
+
+@triton.jit
+def _label_candidate_scores(
+    query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, scratch_ptr,
+    n, candidates,
+    s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh,
+    HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
+    BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr,
+    HAS_MASK: tl.constexpr, C_PAD: tl.constexpr, SCORE_TILE_: tl.constexpr, BY_HEAD: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Program (row-head pid, tile): the keys of its tile of `SCORE_TILE_` candidates into the row-head's row of the
+    scratch ``[A * H', C_PAD]`` int32 (INT32_MIN: a negative column, one outside the mask or scored non-finite);
+    `_label_candidates` with SCORED then takes each row-head's top `heavy` or walk from them."""
+    wait_for_previous_kernel(PDL)
+    pid = tl.program_id(0)
+    tile = tl.program_id(1)
+    i, row, head = _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS, ROWS_INDEXED, HEADS_INDEXED)
+    entry = head if BY_HEAD else (pid % HEADS).to(tl.int64)
+    slots = tile * SCORE_TILE_ + tl.arange(0, SCORE_TILE_)
+    present = slots < candidates
+    cols = tl.load(cand_ptr + i * s_ka + entry * s_kh + slots, mask=present, other=-1).to(tl.int32)
     key = _chunk_keys(query_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
                       pid, i, row, head, cols, tl.zeros((), tl.int32), tl.zeros((), tl.int32) + n,
                       s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_mb,
                       R, R_PAD, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
-    out_row = out_ptr + i * s_oa + entry * s_oh
-    if WALK:
-        _walk(out_row, best_ptr + pid.to(tl.int64) * top, cols.to(tl.int64), key, key != -2147483648,
-              mask_ptr + i * s_mb, n, heavy, top, C_PAD, ASCENDING)
-    else:
-        _top_columns(out_row, key, cols, heavy, TILE)
+    tl.store(scratch_ptr + pid.to(tl.int64) * C_PAD + slots, key, mask=present)
 
 
 @triton.jit
@@ -529,32 +580,35 @@ def candidate_label_topk_triton(query: torch.Tensor, channels: torch.Tensor, cod
                                 candidates: torch.Tensor, rows: torch.Tensor | None, heads: torch.Tensor | None,
                                 selectable: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                                 tile: int | None = None, num_warps: int | None = None,
-                                max_registers: int | None = None) -> torch.Tensor:
+                                max_registers: int | None = None, score_tile: int | None = None) -> torch.Tensor:
     """Same contract as `label_topk.candidate_label_topk` (``[A, H', heavy]`` int64, the chosen candidates'
     columns in candidate order, then NO_TOKEN; with `out`, each head's entries of every selection head's
     candidates read and of `out` written), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors (None: all,
-    in order): one launch, a program per (row, head) scoring its ``C <= MAX_CANDIDATES`` candidates in
-    registers. `tile`, `num_warps` and `max_registers` (a thread's register cap; 0: none) override the launch
-    (tests, benchmark sweeps)."""
+    in order): a program per (row, head) holding its ``C <= MAX_CANDIDATES`` candidates' keys in registers,
+    scored there or, at few row-heads (`split_scoring`), in a launch before it of `score_tile` candidates a program.
+    `tile`, `num_warps`, `max_registers` (a thread's register cap; 0: none) and `score_tile` (0: no scoring launch)
+    override the launches (tests, benchmark sweeps)."""
     return _candidates(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads, selectable,
-                       False, tile, num_warps, out=out, max_registers=max_registers)[0]
+                       False, tile, num_warps, out=out, max_registers=max_registers, score_tile=score_tile)[0]
 
 
 def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
                                 scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
                                 candidates: torch.Tensor, rows: torch.Tensor | None, heads: torch.Tensor | None,
                                 selectable: torch.Tensor, top: int = 0, *, ascending: bool = False,
-                                num_warps: int | None = None, max_registers: int | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
+                                num_warps: int | None = None, max_registers: int | None = None,
+                                score_tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `label_topk.candidate_label_walk` (``[A, H', C]`` int64: the walk's columns ascending, then
     NO_TOKEN; ``[A, H', top]``: the best `top` allowed candidates ascending, then NO_TOKEN), for rows ``[A]`` and heads
-    ``[A or 1, H']`` index tensors: one launch, a program per (row, head) scoring its ``C <= MAX_WALK_CANDIDATES``
-    candidates and walking them in registers. `num_warps` and `max_registers` override the launch."""
+    ``[A or 1, H']`` index tensors: a program per (row, head) walking its ``C <= MAX_WALK_CANDIDATES`` candidates in
+    registers, scored there or in a launch before it (as `candidate_label_topk_triton`). `num_warps`,
+    `max_registers` and `score_tile` override the launches."""
     if codes.shape[2] >= (1 << COLUMN_BITS) - 1:
         raise ValueError(f"{codes.shape[2]} columns; accepted: fewer than {(1 << COLUMN_BITS) - 1} (the torch twin "
                          "takes more)")
     return _candidates(query, channels, codes, scale, zero, bits, candidates.shape[-1], candidates, rows, heads,
-                       selectable, True, None, num_warps, ascending, top, max_registers=max_registers)
+                       selectable, True, None, num_warps, ascending, top, max_registers=max_registers,
+                       score_tile=score_tile)
 
 
 def _launch_options(max_registers: int | None, codes: torch.Tensor) -> dict:
@@ -575,14 +629,22 @@ def candidate_register_cap(walk: bool, slots: int, bits: int, programs: int, sms
     return register_cap(CANDIDATE_PROGRAMS_PER_SM.get((walk, slots)), bits, programs, sms)
 
 
+def split_scoring(programs: int, sms: int) -> bool:
+    """Whether a candidate launch of `programs` row-heads scores its candidates in a launch of its own
+    (`_label_candidate_scores`, `SCORE_TILE` candidates a program) before its top-k or walk: where a program a
+    row-head would leave at least half of the `sms` SMs idle, so that the scoring's gathers spread over them."""
+    return 2 * programs <= sms
+
+
 def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                 zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor, rows: torch.Tensor | None,
                 heads: torch.Tensor | None, selectable: torch.Tensor | None, walk: bool, tile: int | None,
                 num_warps: int | None, ascending: bool = False, top: int = 0, out: torch.Tensor | None = None,
-                max_registers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of `_label_candidates`: ``[A, H', heavy]`` int64 (or, in place, the heads' entries of `out`
-    ``[A, H_sel, heavy]`` from every selection head's candidates ``[A, H_sel, C]``), and (`walk`) the best `top`
-    candidates."""
+                max_registers: int | None = None, score_tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A launch of `_label_candidates` (after one of `_label_candidate_scores` where the scoring is split:
+    `score_tile` candidates a scoring program; None: `SCORE_TILE` where `split_scoring` says so, else 0, scored
+    in the top-k's program): ``[A, H', heavy]`` int64 (or, in place, the heads' entries of `out` ``[A, H_sel,
+    heavy]`` from every selection head's candidates ``[A, H_sel, C]``), and (`walk`) the best `top` candidates."""
     count, width = candidates.shape[0], candidates.shape[-1]
     by_head = out is not None
     n_heads = heads.shape[-1] if by_head else candidates.shape[1]
@@ -597,27 +659,59 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     limit = MAX_WALK_CANDIDATES if walk else MAX_CANDIDATES
     if width > limit:
         raise ValueError(f"{width} candidates per head; accepted: at most {limit} (the torch twin takes more)")
+    if score_tile and score_tile & (score_tile - 1):
+        raise ValueError(f"score_tile {score_tile}; accepted: 0 (no scoring launch) or a power of two")
     _, query, channels, r, group, _ = kernel_label_inputs(None, query, channels)
     code_bytes, scale_t, zero_t, rows, heads, mask_t, load_bytes, strides, flags = _operands(
         query, channels, codes, scale, zero, bits, r, rows, heads, selectable, count)
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
+    programs = count * n_heads
     pad = max(16, triton.next_power_of_2(width))
+    if score_tile is None:
+        score_tile = SCORE_TILE if codes.is_cuda and split_scoring(programs, num_sms(codes.device)) else 0
+    labels = dict(HEADS=n_heads, R=r, R_PAD=triton.next_power_of_2(r), BITS=bits, LOAD_BYTES=load_bytes,
+                  GROUP=group, **flags, PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None,
+                  C_PAD=pad, BY_HEAD=by_head)
+    scratch = out  # a placeholder the top-k never reads, unless scored apart
+    if score_tile:
+        scratch = torch.empty(programs, pad, dtype=torch.int32, device=codes.device)
+        _label_candidate_scores[(programs, triton.cdiv(width, score_tile))](
+            query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, scratch, codes.shape[2],
+            width, *strides, candidates.stride(0), candidates.stride(1), SCORE_TILE_=min(score_tile, pad),
+            **labels, num_warps=4, **pdl_options(codes.device),
+        )
     warps = max(4, min(16, pad // 512))
     if walk and pad >= 2048:  # the walk's searches run faster on 8 warps there (candidate_timing.py --warps)
         warps = max(warps, 8)
     if max_registers is None and num_warps is None and codes.is_cuda:
-        max_registers = candidate_register_cap(walk, pad, bits, count * n_heads, num_sms(codes.device))
+        max_registers = candidate_register_cap(walk, pad, bits, programs, num_sms(codes.device))
     options = _launch_options(max_registers, codes)
-    _label_candidates[(count * n_heads,)](
-        query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best,
+    _label_candidates[(programs,)](
+        query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best, scratch,
         codes.shape[2], heavy, width, top, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
-        out.stride(1),
-        HEADS=n_heads, R=r, R_PAD=triton.next_power_of_2(r), BITS=bits, LOAD_BYTES=load_bytes, GROUP=group, **flags,
-        PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None, C_PAD=pad,
-        TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, BY_HEAD=by_head, num_warps=num_warps or warps,
-        **options, **pdl_options(codes.device),
+        out.stride(1), **labels, TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, SCORED=bool(score_tile),
+        num_warps=num_warps or warps, **options, **pdl_options(codes.device),
     )
     return out, best
+
+
+def top_scored(scratch: torch.Tensor, candidates: torch.Tensor, out: torch.Tensor, heavy: int, heads: torch.Tensor,
+               s_hb: int, n_heads: int, heads_indexed: bool, by_head: bool) -> None:
+    """Each row-head's top `heavy` of the keys its scoring launch wrote (scratch ``[A * H', C_PAD]`` int32, INT32_MIN:
+    none): the columns of its candidates ``[A, H or H_sel, C]`` in candidate order, then NO_TOKEN, into `out`
+    (`_label_candidates` with SCORED; heads ``[A or 1, H']`` with row stride `s_hb` where `heads_indexed`, else a
+    placeholder; BY_HEAD as there). For a scoring launch other than the labels' (`candidate_keys_triton`)."""
+    pad = scratch.shape[1]
+    strides = [0] * 14
+    strides[12] = s_hb  # the heads' row stride (the label operands' strides: never read)
+    _label_candidates[(scratch.shape[0],)](
+        scratch, scratch, scratch, scratch, scratch, scratch, heads, scratch, candidates, out, out, scratch,
+        0, heavy, candidates.shape[-1], 0, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
+        out.stride(1), HEADS=n_heads, ROWS_INDEXED=False, HEADS_INDEXED=heads_indexed, R=2, R_PAD=2, BITS=4,
+        LOAD_BYTES=1, GROUP=1, PER_ROW_CHANNELS=False, HAS_MASK=False, C_PAD=pad, TILE=min(TAIL_TILE, pad),
+        WALK=False, ASCENDING=False, BY_HEAD=by_head, SCORED=True, num_warps=max(4, min(16, pad // 512)),
+        **pdl_options(scratch.device),
+    )
 
 
 def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, scale: torch.Tensor | None,

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .key_search_triton import _exact_threshold, _moments, _probit, _score_key
+from .key_search_triton import _exact_threshold, _key_stats, _probit, _score_key
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 COLUMN_BITS = 24  # columns < 2**24 in the packed sort key
@@ -60,11 +60,9 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
     # (a search over the register keys weighed by their cost, no buffer read; its first pivot aims at K slots'
     # share of the columns; the score moments serve the best-TOP search too)
     slots = tl.zeros((), tl.int32) + K
-    given_count = tl.sum(flag, 0)
+    given_count, lo, hi, mean, std = _key_stats(key, given)
     present = tl.maximum(given_count, 1).to(tl.float32)
-    mean, std = _moments(key, given, present)
-    lo = tl.min(tl.where(given, key, 2147483647), 0)
-    hi = tl.max(key, 0).to(tl.int64) + 1
+    hi = hi.to(tl.int64) + 1
     total = tl.sum(cost, 0)
     guess = mean + std * _probit((slots - 0.5) / tl.maximum(total, 1))
     stop, _ = _exact_threshold(key, cost, best_out, 0, slots, lo, total, hi, guess, False, K_P)

@@ -286,6 +286,20 @@ def test_candidate_register_cap_by_hand():
     assert candidate_register_cap(False, 2048, 8, 512, 132) is None
 
 
+def test_split_scoring_by_hand():
+    """The candidate kernels score in a launch of their own where a program a row-head leaves half the SMs idle
+    (132 SMs: B4 x 8 KV heads, B1 x 8), not at B16 x 16 or B8 x 32; a score tile is a power of two."""
+    triton_or_skip()
+    from hshare.kernels.label_topk_triton import candidate_label_topk_triton, split_scoring
+
+    assert split_scoring(32, 132) and split_scoring(8, 132) and split_scoring(66, 132)
+    assert not split_scoring(67, 132) and not split_scoring(256, 132)
+    query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(4, torch.bfloat16)
+    with pytest.raises(ValueError, match="score_tile 24"):
+        candidate_label_topk_triton(query, channels, codes, scale, zero, 4, 7, candidates, rows, heads, selectable,
+                                    score_tile=24)
+
+
 # --- candidate-set refinement: the top heavy of given candidate columns ----------------------------
 
 
@@ -354,9 +368,12 @@ def test_candidate_triton_matches_twin(bits, dtype, r):
     from hshare.kernels.label_topk_triton import candidate_label_topk_triton
 
     query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(bits, dtype, r=r)
-    for heavy, mask, cap in ((12, selectable, None), (30, None, 0), (64, selectable, 128)):
+    # a cap (CUDA only) and the scoring in a launch of its own: tiles of 16 and 32 of the 40 candidates (a partial
+    # last tile; 0: scored in the top-k's program)
+    for heavy, mask, cap, score_tile in ((12, selectable, None, 0), (30, None, 0, 16), (64, selectable, 128, 32),
+                                         (12, selectable, None, 16)):
         got = candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads,
-                                          mask, tile=16, max_registers=cap)  # a cap: on CUDA only
+                                          mask, tile=16, max_registers=cap, score_tile=score_tile)
         want = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, mask,
                                           rows, heads)
         labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
@@ -409,6 +426,12 @@ def test_candidate_topk_refines_some_heads_in_place(monkeypatch, kernels):
     mine = some[..., None].expand(-1, -1, 7)
     assert torch.equal(got.gather(1, mine).sort(-1).values, want.sort(-1).values)
     assert bool((got.gather(1, 1 - mine) == 99).all())
+    if kernels == "triton":  # scored in a launch of its own: the same entries
+        from hshare.kernels.label_topk_triton import candidate_label_topk_triton
+        split = torch.full_like(out, 99)
+        candidate_label_topk_triton(query, channels, codes, scale, zero, 4, 7, candidates, rows, some, selectable,
+                                    out=split, score_tile=16)
+        assert torch.equal(split, got)
     with pytest.raises(ValueError, match="heads"):
         candidate_label_topk(query, channels, codes, scale, zero, 4, 7, candidates, selectable, rows, out=out)
 
@@ -464,14 +487,14 @@ def test_candidate_walk_triton_matches_twin(bits, dtype, ascending):
         candidates = torch.where(candidates < last, candidates, NO_TOKEN)
         assert bool((candidates[..., :-1] == NO_TOKEN).any())  # some lists end early
     got = candidate_label_walk_triton(query, channels, codes, scale, zero, bits, candidates, rows, heads, selectable,
-                                      7, ascending=ascending)
+                                      7, ascending=ascending, score_tile=0)
     want = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads,
                                       7)
     for got_part, want_part in zip(got, want):  # the scores' rounding differs, their order here does not
         assert torch.equal(got_part, want_part)
     shared = heads[:1, :1]  # one head list for every row (stride 0), and a candidate list of another width
     got = candidate_label_walk_triton(query, channels, codes, scale, zero, bits, candidates[:, :1, :23], rows, shared,
-                                      selectable)
+                                      selectable, score_tile=8)  # scored in a launch of its own
     want = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates[:, :1, :23], selectable,
                                       rows, shared)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
