@@ -46,7 +46,7 @@ shapes only (no device read), so the launches are CUDA-graph capturable; the buf
 The candidate kernels (refinement, `SharingConfig.candidates`) take a list of C columns per row-head instead:
 `_label_candidates`, a program per row-head, holds its C keys in registers and writes its top `heavy` or walks
 them (`_candidate_tail`). It scores them itself, or, where a program a row-head would leave half the SMs idle
-(`split_scoring`: B4 x 8 KV heads), reads them from a scratch row that `_label_candidate_scores` wrote in a launch
+(`split_scoring`: the top-k at B4 x 8 KV heads), reads them from a scratch row that `_label_candidate_scores` wrote in a launch
 before it, `SCORE_TILE` candidates a program (the gathers of the label rows spread over the SMs; the scratch is
 4 bytes a slot, written and read once).
 """
@@ -629,11 +629,13 @@ def candidate_register_cap(walk: bool, slots: int, bits: int, programs: int, sms
     return register_cap(CANDIDATE_PROGRAMS_PER_SM.get((walk, slots)), bits, programs, sms)
 
 
-def split_scoring(programs: int, sms: int) -> bool:
+def split_scoring(programs: int, sms: int, walk: bool = False) -> bool:
     """Whether a candidate launch of `programs` row-heads scores its candidates in a launch of its own
-    (`_label_candidate_scores`, `SCORE_TILE` candidates a program) before its top-k or walk: where a program a
-    row-head would leave at least half of the `sms` SMs idle, so that the scoring's gathers spread over them."""
-    return 2 * programs <= sms
+    (`_label_candidate_scores`, `SCORE_TILE` candidates a program) before its top-k or walk, so that the scoring's
+    gathers spread over the `sms` SMs: the top-k where a program a row-head would leave at least half of them idle,
+    the walk (a longer tail after the scoring, which the second launch adds to) where it would use an eighth or
+    fewer."""
+    return (8 if walk else 2) * programs <= sms
 
 
 def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
@@ -668,7 +670,7 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     programs = count * n_heads
     pad = max(16, triton.next_power_of_2(width))
     if score_tile is None:
-        score_tile = SCORE_TILE if codes.is_cuda and split_scoring(programs, num_sms(codes.device)) else 0
+        score_tile = SCORE_TILE if codes.is_cuda and split_scoring(programs, num_sms(codes.device), walk) else 0
     labels = dict(HEADS=n_heads, R=r, R_PAD=triton.next_power_of_2(r), BITS=bits, LOAD_BYTES=load_bytes,
                   GROUP=group, **flags, PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None,
                   C_PAD=pad, BY_HEAD=by_head)

@@ -287,13 +287,16 @@ def test_candidate_register_cap_by_hand():
 
 
 def test_split_scoring_by_hand():
-    """The candidate kernels score in a launch of their own where a program a row-head leaves half the SMs idle
-    (132 SMs: B4 x 8 KV heads, B1 x 8), not at B16 x 16 or B8 x 32; a score tile is a power of two."""
+    """The candidate top-k scores in a launch of its own where a program a row-head leaves half the SMs idle
+    (132 SMs: B4 x 8 KV heads, B1 x 8), not at B16 x 16 or B8 x 32; the walk where it uses an eighth of them (B4 x
+    4 selecting heads, not B4 x 8); a score tile is a power of two."""
     triton_or_skip()
     from hshare.kernels.label_topk_triton import candidate_label_topk_triton, split_scoring
 
     assert split_scoring(32, 132) and split_scoring(8, 132) and split_scoring(66, 132)
     assert not split_scoring(67, 132) and not split_scoring(256, 132)
+    assert split_scoring(16, 132, walk=True) and split_scoring(8, 132, walk=True)
+    assert not split_scoring(17, 132, walk=True) and not split_scoring(32, 132, walk=True)
     query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(4, torch.bfloat16)
     with pytest.raises(ValueError, match="score_tile 24"):
         candidate_label_topk_triton(query, channels, codes, scale, zero, 4, 7, candidates, rows, heads, selectable,
