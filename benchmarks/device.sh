@@ -12,6 +12,10 @@
 #   candidates the candidate top-k and walk kernels against their twins by width (candidate_timing.py): the widest
 #              (7,872 and 15,936 candidates) with 16 label channels at 4, 8 and 16 bits, then 1,728-7,872 at
 #              CANDIDATE_WARPS (default 8 16) warps
+#   refinetail the refinement's kernels at few row-heads: the candidate top-k and walk by score tile (0: scored in
+#              their program; 128-1024) at B1 / B4 / B8 x 8 KV heads x 32k-128k and B16 x 16 x 4k, C = 1,728 and 3,776
+#              (candidate_timing.py --score-tiles), then the label top-k at heavy 3,776 with its last program's tile
+#              of 4,096 and 8,192 candidates (label_topk_timing.py --tile)
 #   linear     the decode step's weight products, decode_linear_triton's tiles against cuBLAS (decode_linear.py)
 #   crossover  shared prefix or per-row dense decode attention under CUDA graphs (prefix_crossover.py)
 #   refine32k  Llama-3-8B shape B4 x 32k (one row in four padded), 64 new tokens timed per step:
@@ -142,6 +146,13 @@ one_gpu_part() {
       for warps in ${CANDIDATE_WARPS:-8 16}; do
         OUT="$OUT/warps$warps" timeout 150 python3 benchmarks/candidate_timing.py --shapes 16x32x4096,4x8x32768 \
           --widths 1728,3776,7872 --warps "$warps" 2>&1 | tee "$OUT/candidate_timing_warps$warps.log"
+      done ;;
+    refinetail)
+      timeout 200 python3 benchmarks/candidate_timing.py --shapes 1x8x131072,4x8x32768,8x8x32768,16x16x4096 \
+        --widths 1728,3776 --channels 16 --score-tiles 0,128,256,512,1024 2>&1 | tee "$OUT/candidate_score_tiles.log"
+      for tile in 4096 8192; do
+        timeout 100 python3 benchmarks/label_topk_timing.py --shapes 4x8x32768,1x8x131072 --heavy 3776 --tile "$tile" \
+          --json "$OUT/label_topk_tile$tile.json" 2>&1 | tee "$OUT/label_topk_tile$tile.log"
       done ;;
     linear)
       timeout 400 python3 benchmarks/decode_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/decode_linear.log" ;;

@@ -38,6 +38,7 @@ EXAMPLES = {
     "triton_gather": (10, 60),
     "triton_critical": (10, 60),
     "triton_labels": (6, 40),
+    "triton_candidates": (6, 40),
     "model_exact": (60, 400),
     "model_invariants": (100, 600),
     "model_rows_alone": (20, 150),

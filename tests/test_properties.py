@@ -328,6 +328,55 @@ def test_triton_critical_indices_equal_twin(case):
     assert torch.equal(got, critical_indices_torch(*args))
 
 
+@settings(max_examples=ps.examples("triton_candidates"))
+@given(bits=st.sampled_from([4, 8]), r=st.sampled_from([2, 8]), group=st.sampled_from([1, 2]),
+       rows=st.integers(1, 3), n=st.integers(4, 48), width=st.integers(1, 40), extra=st.integers(-3, 6),
+       score_tile=st.sampled_from([8, 16, 64]), masked=st.booleans(), tied=st.booleans(), seed=st.integers(0, 2**16))
+def test_triton_candidate_kernels_split_or_not_equal_twin(bits, r, group, rows, n, width, extra, score_tile, masked,
+                                                           tied, seed):
+    """The candidate top-k and walk give the same columns whether the candidates are scored in their program or
+    in a launch of their own (any score tile, a partial last tile), and (interpreter: the twin's scores) the
+    twin's: random candidate lists with NO_TOKEN gaps, heavy from 0 to beyond the candidates, masks, tied labels."""
+    pytest.importorskip("triton")
+    from hshare.kernels import quantize_labels
+    from hshare.kernels.label_topk import candidate_label_topk_torch, candidate_label_walk_torch
+    from hshare.kernels.label_topk_triton import candidate_label_topk_triton, candidate_label_walk_triton
+
+    generator = torch.Generator().manual_seed(seed)
+    sel, dim = 2, 16
+    keys = torch.randn(rows, sel, n, r, generator=generator)
+    if tied:  # a few distinct label rows: many equal scores
+        keys = keys[:, :, torch.randint(0, 3, (n,), generator=generator)]
+    codes, scale, zero = quantize_labels(keys.to(DEVICE), bits)
+    query = torch.randn(rows, sel * group, dim, generator=generator).to(DEVICE)
+    channels = torch.stack([torch.randperm(dim, generator=generator)[:r] for _ in range(sel)])[None].to(DEVICE)
+    width = min(width, n)
+    candidates = torch.stack([torch.randperm(n, generator=generator)[:width] for _ in range(rows * sel)])
+    candidates = candidates.view(rows, sel, width)
+    candidates[torch.rand(candidates.shape, generator=generator) < 0.2] = NO_TOKEN
+    selectable = torch.rand(rows, n, generator=generator) < 0.8 if masked else torch.ones(rows, n, dtype=torch.bool)
+    selectable = selectable.to(DEVICE)
+    heavy = max(0, width + extra) if extra > 0 else max(0, width // 2 + extra)
+    candidates = candidates.to(DEVICE)
+    mask = selectable if masked else None
+    topk = [candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, None, None, mask,
+                                        score_tile=tile) for tile in (0, score_tile)]
+    assert torch.equal(topk[0], topk[1])
+    # the walk takes the candidates in the window (a selection's top columns are)
+    inside = selectable[:, None].expand(-1, sel, -1).gather(-1, candidates.clamp(min=0))
+    walk_candidates = torch.where(inside & (candidates >= 0), candidates, NO_TOKEN)
+    top = min(heavy, width)
+    walks = [candidate_label_walk_triton(query, channels, codes, scale, zero, bits, walk_candidates, None, None,
+                                         selectable, top, score_tile=tile) for tile in (0, score_tile)]
+    assert all(torch.equal(a, b) for a, b in zip(*walks))
+    if DEVICE == "cpu":  # the interpreter scores as the twin does
+        want = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, mask)
+        assert torch.equal(topk[0].sort(-1).values, want.sort(-1).values)
+        want = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, walk_candidates, selectable,
+                                          top=top)
+        assert all(torch.equal(a, b) for a, b in zip(walks[0], want))
+
+
 @settings(max_examples=ps.examples("triton_labels"))
 @given(bits=st.sampled_from([4, 8]), r=st.sampled_from([2, 8, 16]), tokens=st.integers(1, 12),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), sel_per_query=st.booleans(),
