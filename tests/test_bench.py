@@ -10,6 +10,7 @@ from hshare import cli
 from hshare.bench import attention, generate, grid, plot, prefix, roofline
 from hshare.bench.generate import GenerateRow
 from hshare.config import HShareConfig
+from hshare.planner import sources_for_ratio
 
 
 @pytest.mark.slow
@@ -318,6 +319,14 @@ def test_grid_runs_and_writes(tmp_path):
     every = 2 * 4 * tiny.num_hidden_layers * tiny.num_key_value_heads
     assert rows[sparse]["decode_steps"]["score_computations"] == every // 8
     assert rows[sparse]["decode_steps"]["refinements"] == 0 and "score_computations" not in rows["dense"]["decode_steps"]
+    # its plan: half the sparse layers and half the KV heads of each selecting layer select
+    dense_layers = generate.path_config(sparse).sharing.dense_layers
+    layers = len([i for i in range(tiny.num_hidden_layers) if i not in dense_layers])
+    heads = tiny.num_key_value_heads
+    selecting = sources_for_ratio(0.5, layers)
+    assert rows[sparse]["decode_steps"]["plan"] == pytest.approx({
+        "layer_copies": layers - selecting, "head_copies": selecting * (heads - sources_for_ratio(0.5, heads)),
+        "selecting": selecting * sources_for_ratio(0.5, heads) / (layers * heads)})
     assert rows[sparse]["step_gb"] < rows["dense"]["step_gb"]  # N_c 32 of 48 + 1..4 columns, labels besides
     assert json.loads((tmp_path / "bench_grid.json").read_text())["generate"] == results["generate"]
     tables = (tmp_path / "bench_grid.md").read_text()

@@ -118,7 +118,9 @@ class GenerateRow:
     error: str = ""
     placement: str = ""  # "": one device; "tp2": 2 tensor-parallel ranks; "device_map split2": accelerate's dispatch
     peak_gib_per_gpu: list = field(default_factory=list)  # each GPU's peak (rank order under TP); peak_gib: the max
-    decode_steps: dict = field(default_factory=dict)  # sparse presets: decode / sparse / dense-fallback steps, KV read, scorings, refinements
+    # sparse presets: decode / sparse / dense-fallback steps, KV read, scorings, refinements, and the sharing plan's
+    # summary (`SharingPlan.summary`: layer copies, head copies, selecting pairs; empty without a plan)
+    decode_steps: dict = field(default_factory=dict)
     ranks_agree: bool | None = None  # under TP: whether every rank generated the same tokens
     prefill_peak_gib: float = 0.0  # peak of the prefill (the prefill's share of peak_gib; largest GPU)
     decode_tok_s_runs: list = field(default_factory=list)  # decode tok/s of each timed pair or generate (median)
@@ -346,7 +348,8 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
             steps = {"decode": stats.decode_steps, "sparse": stats.sparse_steps,
                      "dense_fallback": stats.dense_fallback_steps,
                      "kv_read_share": stats.kv_rows_read / stats.dense_kv_rows if stats.dense_kv_rows else None,
-                     "score_computations": stats.score_computations, "refinements": stats.refinements}
+                     "score_computations": stats.score_computations, "refinements": stats.refinements,
+                     "plan": cache.planner.sharing_summary()}  # what the last generate's sharing plan shares
             sparse = roofline.sparse_reads(cache.config, cfg, element_bytes, stats, cache.label_bytes(), batch,
                                            cache.get_seq_length())
     else:  # this process's share of the KV heads (all of them unless tensor-parallel)
@@ -663,6 +666,10 @@ def print_row(row: GenerateRow, base: GenerateRow) -> None:
     steps = (f"  sparse steps {row.decode_steps['sparse']}/{row.decode_steps['decode']}"
              f"  scorings {row.decode_steps.get('score_computations', 0)}"
              f" refinements {row.decode_steps.get('refinements', 0)}") if row.decode_steps else ""
+    plan = row.decode_steps.get("plan") if row.decode_steps else None
+    if plan:  # what the sharing plan shared: copying layers, copying heads, the share of pairs that select
+        steps += (f"  plan {plan['layer_copies']:.1f} layer + {plan['head_copies']:.1f} head copies,"
+                  f" {plan['selecting']:.0%} selecting")
     ranks = "" if row.ranks_agree is None else ("  ranks agree" if row.ranks_agree else "  RANKS DISAGREE")
     floor = f"  {row.floor_share:4.0%} of floor {row.floor_tok_s:.0f} ({row.step_gb:.1f} GB/step)" \
         if row.floor_tok_s else ""
