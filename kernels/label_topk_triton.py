@@ -46,9 +46,9 @@ shapes only (no device read), so the launches are CUDA-graph capturable; the buf
 The candidate kernels (refinement, `SharingConfig.candidates`) take a list of C columns per row-head instead:
 `_label_candidates`, a program per row-head, holds its C keys in registers and writes its top `heavy` or walks
 them (`_candidate_tail`). It scores them itself, or, where a program a row-head would leave half the SMs idle
-(`split_scoring`: the top-k at B4 x 8 KV heads), reads them from a scratch row that `_label_candidate_scores` wrote in a launch
-before it, `SCORE_TILE` candidates a program (the gathers of the label rows spread over the SMs; the scratch is
-4 bytes a slot, written and read once).
+(`split_scoring`: the top-k at B4 x 8 KV heads), reads them from a scratch row that `_label_candidate_scores`
+wrote in a launch before it, `SCORE_TILE` candidates a program (the gathers of the label rows spread over the
+SMs; the scratch is 4 bytes a slot, written and read once).
 """
 
 from __future__ import annotations
