@@ -94,7 +94,7 @@ def measure_plans(model, tokenizer_or_ids, text: str | None, length: int, config
             (``dense_fallback_mib`` is 0 unless given: the plan of the sparse path).
         batch: windows prefilled together; a batch plan pools their evidence.
     """
-    from hshare.api import new_cache, patch, patch_state, unpatch
+    from hshare.api import new_cache, patched
 
     if batch < 1 or length < 1:
         raise ValueError(f"batch = {batch}, length = {length}; accepted: integers >= 1")
@@ -102,19 +102,12 @@ def measure_plans(model, tokenizer_or_ids, text: str | None, length: int, config
     resolved = resolve_configs(configs, dict(overrides or {}))
     ids = text_token_ids(tokenizer_or_ids, text)
     windows = torch.stack([ids[o:o + length] for o in window_offsets(len(ids), length, batch)])
-    previous = patch_state(model)
-    previous_config = previous.config if previous is not None else None
     plans = []
-    try:
-        for label, config in resolved:
-            patch(model, config)
+    for label, config in resolved:
+        with patched(model, config):
             cache = new_cache(model)
             forced_decode_logits(model, windows, windows[:, :2], cache)  # the prefill and a decode step: planned
             plans.append(_read_plan(label, windows, cache.planner))
-    finally:
-        unpatch(model)
-        if previous_config is not None:
-            patch(model, previous_config)
     return plans
 
 

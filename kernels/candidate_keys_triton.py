@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .key_search_triton import _score_key
-from .label_topk_triton import MAX_CANDIDATES, _row_head, index_operands, top_scored
+from .label_topk_triton import MAX_CANDIDATES, _candidate_columns, index_operands, top_scored
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 TILE_C = 64  # candidates (key rows) a scoring program scores
@@ -40,20 +40,18 @@ def _candidate_key_scores(
     are every selection head's, the program's head's entry read (else its position among the row's heads)."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
-    tile = tl.program_id(1)
-    i, row, head = _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS, ROWS_INDEXED, HEADS_INDEXED)
-    entry = head if BY_HEAD else (pid % HEADS).to(tl.int64)
+    slots = tl.program_id(1) * TILE_C_ + tl.arange(0, TILE_C_)
+    i, row, head, _, cols = _candidate_columns(rows_ptr, heads_ptr, cand_ptr, pid, slots, candidates, s_hb, s_ca, s_ch,
+                                               HEADS, ROWS_INDEXED, HEADS_INDEXED, BY_HEAD)
+    cols = cols.to(tl.int64)
     dims = tl.arange(0, DIM)
     query_row = query_ptr + row * s_qb + (head * GROUP) * s_qh
     q = tl.load(query_row + dims).to(tl.float32)
     for g in tl.static_range(1, GROUP):
         q += tl.load(query_row + g * s_qh + dims).to(tl.float32)
-    cand_row = cand_ptr + i * s_ca + entry * s_ch
     key_base = key_ptr + row * s_kb + head * s_kh
     scratch_row = scratch_ptr + pid.to(tl.int64) * C_PAD
-    slots = tile * TILE_C_ + tl.arange(0, TILE_C_)
     present = slots < candidates
-    cols = tl.load(cand_row + slots, mask=present, other=-1).to(tl.int64)
     inside = present & (cols >= 0) & (cols < n)
     selectable = inside
     if HAS_MASK:

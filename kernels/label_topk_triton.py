@@ -298,6 +298,18 @@ def _label_topk_sketch(
 
 
 @triton.jit
+def _candidate_columns(rows_ptr, heads_ptr, cand_ptr, pid, slots, candidates, s_hb, s_ka, s_kh, HEADS: tl.constexpr,
+                       ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, BY_HEAD: tl.constexpr):
+    """Row-head `pid` of a candidate launch: its entry i of the rows, batch row and head (`_row_head`), its entry of
+    the candidates and output (BY_HEAD: its head's, else its position among the row's heads), and its candidates'
+    columns at `slots` (int32; -1 from `candidates` on)."""
+    i, row, head = _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS, ROWS_INDEXED, HEADS_INDEXED)
+    entry = head if BY_HEAD else (pid % HEADS).to(tl.int64)
+    cols = tl.load(cand_ptr + i * s_ka + entry * s_kh + slots, mask=slots < candidates, other=-1).to(tl.int32)
+    return i, row, head, entry, cols
+
+
+@triton.jit
 def _candidate_tail(out_row, best_row, window_row, cols, key, n, heavy, top, C_PAD: tl.constexpr, TILE: tl.constexpr,
                     WALK: tl.constexpr, ASCENDING: tl.constexpr):
     """One row-head's candidates ``[C_PAD]`` (columns, int32 keys; INT32_MIN: none) into its output: the columns of
@@ -331,13 +343,11 @@ def _label_candidates(
     here."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
-    i, row, head = _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS, ROWS_INDEXED, HEADS_INDEXED)
-    entry = head if BY_HEAD else (pid % HEADS).to(tl.int64)
     slots = tl.arange(0, C_PAD)
-    present = slots < candidates
-    cols = tl.load(cand_ptr + i * s_ka + entry * s_kh + slots, mask=present, other=-1).to(tl.int32)
+    i, row, head, entry, cols = _candidate_columns(rows_ptr, heads_ptr, cand_ptr, pid, slots, candidates, s_hb, s_ka,
+                                                   s_kh, HEADS, ROWS_INDEXED, HEADS_INDEXED, BY_HEAD)
     if SCORED:
-        key = tl.load(scratch_ptr + pid.to(tl.int64) * C_PAD + slots, mask=present, other=-2147483648)
+        key = tl.load(scratch_ptr + pid.to(tl.int64) * C_PAD + slots, mask=slots < candidates, other=-2147483648)
     else:
         key = _chunk_keys(query_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
                           pid, i, row, head, cols, tl.zeros((), tl.int32), tl.zeros((), tl.int32) + n,
@@ -362,17 +372,14 @@ def _label_candidate_scores(
     `_label_candidates` with SCORED then takes each row-head's top `heavy` or walk from them."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
-    tile = tl.program_id(1)
-    i, row, head = _row_head(rows_ptr, heads_ptr, pid, s_hb, HEADS, ROWS_INDEXED, HEADS_INDEXED)
-    entry = head if BY_HEAD else (pid % HEADS).to(tl.int64)
-    slots = tile * SCORE_TILE_ + tl.arange(0, SCORE_TILE_)
-    present = slots < candidates
-    cols = tl.load(cand_ptr + i * s_ka + entry * s_kh + slots, mask=present, other=-1).to(tl.int32)
+    slots = tl.program_id(1) * SCORE_TILE_ + tl.arange(0, SCORE_TILE_)
+    i, row, head, _, cols = _candidate_columns(rows_ptr, heads_ptr, cand_ptr, pid, slots, candidates, s_hb, s_ka, s_kh,
+                                               HEADS, ROWS_INDEXED, HEADS_INDEXED, BY_HEAD)
     key = _chunk_keys(query_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
                       pid, i, row, head, cols, tl.zeros((), tl.int32), tl.zeros((), tl.int32) + n,
                       s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_mb,
                       R, R_PAD, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
-    tl.store(scratch_ptr + pid.to(tl.int64) * C_PAD + slots, key, mask=present)
+    tl.store(scratch_ptr + pid.to(tl.int64) * C_PAD + slots, key, mask=slots < candidates)
 
 
 @triton.jit
@@ -671,6 +678,7 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     pad = max(16, triton.next_power_of_2(width))
     if score_tile is None:
         score_tile = SCORE_TILE if codes.is_cuda and split_scoring(programs, num_sms(codes.device), walk) else 0
+    score_tile = min(score_tile, pad)
     labels = dict(HEADS=n_heads, R=r, R_PAD=triton.next_power_of_2(r), BITS=bits, LOAD_BYTES=load_bytes,
                   GROUP=group, **flags, PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None,
                   C_PAD=pad, BY_HEAD=by_head)
@@ -679,7 +687,7 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
         scratch = torch.empty(programs, pad, dtype=torch.int32, device=codes.device)
         _label_candidate_scores[(programs, triton.cdiv(width, score_tile))](
             query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, scratch, codes.shape[2],
-            width, *strides, candidates.stride(0), candidates.stride(1), SCORE_TILE_=min(score_tile, pad),
+            width, *strides, candidates.stride(0), candidates.stride(1), SCORE_TILE_=score_tile,
             **labels, num_warps=4, **pdl_options(codes.device),
         )
     warps = max(4, min(16, pad // 512))
