@@ -66,7 +66,8 @@ from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 CHUNK = 4096  # columns per program (and the longest row done in one launch)
 MAX_CHUNKS = 64  # longer rows take longer chunks (the bound L compares every sketch key with every chunk's)
-TAIL_TILE = 4096  # candidates per tile of the last program's search and writes
+TAIL_TILE = 4096  # candidates per tile of the last program's search and writes, at least (`tail_tile`)
+MAX_TAIL_TILE = 8192  # at most: a wider register tile is not measured
 MAX_CANDIDATES = 16384  # candidate columns per (row, head) that `candidate_label_topk_triton` holds in registers
 MAX_WALK_CANDIDATES = 8192  # the same for `candidate_label_walk_triton` (a register sort; wider ones: the twin)
 SCORE_TILE = 256  # candidates a program of a split scoring launch scores (`split_scoring`)
@@ -636,6 +637,13 @@ def candidate_register_cap(walk: bool, slots: int, bits: int, programs: int, sms
     return register_cap(CANDIDATE_PROGRAMS_PER_SM.get((walk, slots)), bits, programs, sms)
 
 
+def tail_tile(heavy: int) -> int:
+    """Candidates a tile of a label top-k's last program holds: twice `heavy` (its candidates, the keys >= the bound
+    L, are heavy to about twice that), at least `TAIL_TILE` and at most `MAX_TAIL_TILE`; where they fit one tile
+    its search and writes run in registers, else every pass reads the tiles again (from L2)."""
+    return min(MAX_TAIL_TILE, max(TAIL_TILE, triton.next_power_of_2(2 * heavy)))
+
+
 def split_scoring(programs: int, sms: int, walk: bool = False) -> bool:
     """Whether a candidate launch of `programs` row-heads scores its candidates in a launch of its own
     (`_label_candidate_scores`, `SCORE_TILE` candidates a program) before its top-k or walk, so that the scoring's
@@ -755,7 +763,7 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     size = chunk or max(min(CHUNK, max(16, triton.next_power_of_2(n))),
                         triton.next_power_of_2(triton.cdiv(n, MAX_CHUNKS)))
     chunks = triton.cdiv(n, size)
-    tile = tile or TAIL_TILE
+    tile = tile or tail_tile(heavy)
     row_heads = count * n_heads
     levels = sketch_levels(heavy, chunks)
     common = dict(

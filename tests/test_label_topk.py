@@ -286,6 +286,16 @@ def test_candidate_register_cap_by_hand():
     assert candidate_register_cap(False, 2048, 8, 512, 132) is None
 
 
+def test_tail_tile_by_hand():
+    """A label top-k's last program holds twice heavy candidates a tile, 4,096 to 8,192: the presets' heavy up to
+    N_c 1024 in one tile of 4,096, the 3,776 candidates of `candidates=4` at N_c 1024 in one of 8,192."""
+    triton_or_skip()
+    from hshare.kernels.label_topk_triton import tail_tile
+
+    assert [tail_tile(h) for h in (1, 88, 432, 944, 1728, 2048)] == [4096] * 6
+    assert [tail_tile(h) for h in (2049, 3776, 7872, 16000)] == [8192] * 4
+
+
 def test_split_scoring_by_hand():
     """The candidate top-k scores in a launch of its own where a program a row-head leaves half the SMs idle
     (132 SMs: B4 x 8 KV heads, B1 x 8), not at B16 x 16 or B8 x 32; the walk where it uses an eighth of them (B4 x
