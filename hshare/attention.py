@@ -82,15 +82,12 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     by_keys = refine_by_keys(key) if cache.config.sharing.refine_by == "keys" else None
     if step.selecting:
         if cache.config.candidate_count:
-            heavy, candidates = _select_candidates(cache, step, layer_idx, query, by_keys)
-            _keep(cache, layer, "candidates", candidates)
+            _select_candidates(cache, step, layer_idx, query, by_keys)
         else:
-            heavy = _select_heavy_columns(cache, step, layer_idx, query)
-        _keep(cache, layer, "heavy", heavy)
+            _keep(cache, layer, "heavy", _select_heavy_columns(cache, step, layer_idx, query))
     elif layer.candidates is not None and cache.config.sharing.refine_steps:  # refined with this step's query
-        refine = by_keys or layer.policy.candidate_heavy
-        _keep(cache, layer, "heavy", refine(query[:, :, 0], layer.candidates, step.windows.middle,
-                                            cache.config.budget.heavy))
+        _refine(cache, layer, by_keys or layer.policy.candidate_heavy, query[:, :, 0], layer.candidates,
+                step.windows.middle)
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
         layer.heavy = torch.full((query.shape[0], cache.sel_heads, cache.config.budget.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
@@ -152,6 +149,22 @@ def _keep(cache: HShareCache, layer: HShareLayer, name: str, columns: torch.Tens
         setattr(layer, name, columns.clone())
     else:
         kept.copy_(columns)
+
+
+def _refine(cache: HShareCache, layer: HShareLayer, refine: Refine, query: torch.Tensor, candidates: torch.Tensor,
+            window: torch.Tensor) -> None:
+    """Keep as the layer's heavy columns ``[B, H_sel, heavy]`` the best of every selection head's `candidates`
+    ``[B, H_sel, C]`` in the `window` ``[B, n]`` by its own decode `query` ``[B, Hq, d]`` (`refine`: the contract
+    of `SelectionPolicy.candidate_heavy`). With static shapes they are written into the layer's own buffer in place
+    (made at the first refinement, so that a captured step refines as its eager warm-up did)."""
+    heavy = cache.config.budget.heavy
+    if cache.static is None:
+        layer.heavy = refine(query, candidates, window, heavy)
+        return
+    shape = (*candidates.shape[:2], heavy)
+    if layer.heavy is None or layer.heavy.shape != shape:
+        layer.heavy = torch.empty(shape, dtype=torch.long, device=candidates.device)
+    refine(query, candidates, window, heavy, heads=cache.planner.every_head, out=layer.heavy)
 
 
 def _decode_attention(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
@@ -222,14 +235,16 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
 
 
 def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, query: torch.Tensor,
-                       by_keys: Refine | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Heavy columns ``[B, H_sel, heavy]`` and candidates ``[B, H_sel, C]`` of one layer at a selection step
-    with candidate-set refinement (`SharingConfig.candidates`).
+                       by_keys: Refine | None) -> None:
+    """Keep the heavy columns ``[B, H_sel, heavy]`` and candidates ``[B, H_sel, C]`` of one layer at a selection
+    step with candidate-set refinement (`SharingConfig.candidates`) for its query group.
 
     The rows for which this layer is a source score every column with its source heads and keep their top C
     as candidates, and the top `heavy` of those as their heavy columns; copying heads take their source
     head's candidates, copying layers their source layer's, and each refines them with its own query
-    (`SelectionPolicy.candidate_heavy`, or `by_keys`: ``refine_by = "keys"``, for every head).
+    (`SelectionPolicy.candidate_heavy`, or `by_keys`: ``refine_by = "keys"``, for every head). A layer that
+    copies for every row keeps its source layer's candidates themselves, not a copy (the plan holds for the
+    generate, and the source keeps them until its next selection, which precedes this layer's).
     """
     config = cache.config
     layer = cache.layers[layer_idx]
@@ -250,17 +265,18 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
     refine = by_keys or layer.policy.candidate_heavy
     for source_layer, copy_rows in share.copy_groups:
         source = cache.layers[source_layer].candidates
-        if copy_rows is None:
-            candidates = source
-            heavy = refine(decode_query, source, window, kept)
-        else:
-            if heavy is None:
-                heavy = torch.full((batch, cache.sel_heads, kept), NO_TOKEN, dtype=torch.long, device=query.device)
-                candidates = torch.full_like(source, NO_TOKEN)
-            candidates[copy_rows] = source[copy_rows]
-            heavy[copy_rows] = refine(decode_query, source[copy_rows], window.index_select(0, copy_rows), kept,
-                                      rows=copy_rows)
-    return heavy, candidates
+        if copy_rows is None:  # every row (the layer's only group)
+            layer.candidates = source
+            _refine(cache, layer, refine, decode_query, source, window)
+            return
+        if heavy is None:
+            heavy = torch.full((batch, cache.sel_heads, kept), NO_TOKEN, dtype=torch.long, device=query.device)
+            candidates = torch.full_like(source, NO_TOKEN)
+        candidates[copy_rows] = source[copy_rows]
+        heavy[copy_rows] = refine(decode_query, source[copy_rows], window.index_select(0, copy_rows), kept,
+                                  rows=copy_rows)
+    _keep(cache, layer, "heavy", heavy)
+    _keep(cache, layer, "candidates", candidates)
 
 
 def _source_rows(share, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -143,7 +143,8 @@ class StepPlanner:
         sparse_layers: layers that may attend sparsely (all but ``config.sharing.dense_layers``).
         step: decode steps so far; last_selection: the step of the last selection (None: the next
             sparse step selects).
-        sharing: the sharing plan (Algorithm 1); shares: its per-layer compiled form.
+        sharing: the sharing plan (Algorithm 1); shares: its per-layer compiled form; every_head: ``[1, H_sel]``
+            the selection heads in order (the heads of a refinement of every head in place).
         dense_throughout: decided after the own prefill of a reserved cache: True when even the
             reserved final length stays below the dense fallback, so every decode step is dense and
             no selection metadata is ever built.
@@ -168,6 +169,7 @@ class StepPlanner:
     last_selection: int | None = None
     sharing: SharingPlan | None = None
     shares: dict[int, LayerShare] = field(default_factory=dict)
+    every_head: torch.Tensor | None = None
     dense_throughout: bool | None = None
     head_similarity: dict[int, torch.Tensor] = field(default_factory=dict)
     layer_similarity: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -249,6 +251,7 @@ class StepPlanner:
         """A prefill forward invalidates the plan and the selections of earlier steps."""
         self.finish_prefill(cache)
         self.sharing, self.shares, self.last_selection, self.current, self.planned = None, {}, None, None, None
+        self.every_head = None
         cache.drop_selections()
 
     def finish_prefill(self, cache: HShareCache) -> None:
@@ -389,6 +392,7 @@ class StepPlanner:
                 all_heads=bool(is_source.all()),
             )
         self.shares = shares
+        self.every_head = heads[None].to(device)  # [1, H_sel]: a refinement of every head in place
         self._select_scorings = None  # (rows, scorings and refinements of a selection step, refinements of a
         # reuse step), summed at the first sparse step
 

@@ -614,6 +614,41 @@ def test_static_shapes_equal_eager(monkeypatch, overrides):
     assert (static_cache.stats.refinements > 0) == (static_cache.config.candidate_count > 0)
 
 
+@pytest.mark.parametrize("refine_by", ["labels", "keys"])
+def test_static_refinements_write_in_place_and_copying_layers_keep_their_sources_candidates(monkeypatch, refine_by):
+    """With static shapes every refinement of every head writes its layer's kept heavy buffer in place (one buffer
+    a layer for the whole generate), and a layer that copies for every row keeps its source layer's candidates
+    themselves: nothing is copied a step. The tokens equal eager decoding's (above)."""
+    monkeypatch.setattr(static_decode, "STATIC_ON_CPU", True)
+    model = tiny_llama(kv_heads=2, layers=4)
+    ids, mask = left_padded([31, 18, 26])
+    buffers, in_place = {}, []
+    refine = attention_module._refine
+
+    def spy(cache, layer, refine_heads, *args):
+        def recorded(*arguments, **options):
+            columns = refine_heads(*arguments, **options)
+            in_place.append(columns is layer.heavy)
+            return columns
+
+        refine(cache, layer, recorded, *args)
+        buffers.setdefault(id(layer), set()).add(layer.heavy.data_ptr())
+
+    monkeypatch.setattr(attention_module, "_refine", spy)
+    with hshare.patched(model, "hshare-refine-successors", cuda_graphs=True, refine_by=refine_by, **SMALL):
+        cache = hshare.new_cache(model)
+        greedy(model, ids, mask, new_tokens=8, past_key_values=cache)
+    layers = cache.layers
+    plan = cache.planner.sharing.layer_source[0].tolist()
+    copying = [layer for layer, source in enumerate(plan) if source != layer]
+    assert copying and len(buffers) == len(layers) and all(in_place)  # every layer refined (reuse steps) in place
+    assert all(len(pointers) == 1 for pointers in buffers.values())
+    assert all(buffers[id(layer)] == {layer.heavy.data_ptr()} for layer in layers)
+    assert all(layers[layer].candidates is layers[plan[layer]].candidates for layer in copying)
+    assert all(layers[layer].candidates is not layers[other].candidates
+               for layer in range(len(layers)) for other in range(layer) if layer not in copying)
+
+
 # ---- the "auto" planner: Algorithm 1 shares only pairs that reach the similarity target ----------------------
 
 def _algorithm_1(similarity, copies, threshold):
