@@ -15,7 +15,8 @@
 #   refinetail the refinement's kernels at few row-heads: the candidate top-k and walk by score tile (0: scored in
 #              their program; 128-1024) at B1 / B4 / B8 x 8 KV heads x 32k-128k and B16 x 16 x 4k, C = 1,728 and 3,776
 #              (candidate_timing.py --score-tiles), then the label top-k at heavy 3,776 with its last program's tile
-#              of 4,096 and 8,192 candidates (label_topk_timing.py --tile)
+#              of 4,096 and 8,192 candidates (label_topk_timing.py --tile), then a candidate top-k program's stages over
+#              its keys once scored: load, moments, search, writes (search_timing.py, C = 1,728 at 8-512 programs)
 #   linear     the decode step's weight products, decode_linear_triton's tiles against cuBLAS (decode_linear.py)
 #   crossover  shared prefix or per-row dense decode attention under CUDA graphs (prefix_crossover.py)
 #   refine32k  Llama-3-8B shape B4 x 32k (one row in four padded), 64 new tokens timed per step:
@@ -153,7 +154,8 @@ one_gpu_part() {
       for tile in 4096 8192; do
         timeout 100 python3 benchmarks/label_topk_timing.py --shapes 4x8x32768,1x8x131072 --heavy 3776 --tile "$tile" \
           --json "$OUT/label_topk_tile$tile.json" 2>&1 | tee "$OUT/label_topk_tile$tile.log"
-      done ;;
+      done
+      timeout 90 python3 benchmarks/search_timing.py --programs 8,32,512 2>&1 | tee "$OUT/search_timing.log" ;;
     linear)
       timeout 400 python3 benchmarks/decode_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/decode_linear.log" ;;
     crossover)
