@@ -86,8 +86,7 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         else:
             _keep(cache, layer, "heavy", _select_heavy_columns(cache, step, layer_idx, query))
     elif layer.candidates is not None and cache.config.sharing.refine_steps:  # refined with this step's query
-        _refine(cache, layer, by_keys or layer.policy.candidate_heavy, query[:, :, 0], layer.candidates,
-                step.windows.middle)
+        _refine(cache, layer, _refinement(layer, by_keys), query[:, :, 0], layer.candidates, step.windows.middle)
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
         layer.heavy = torch.full((query.shape[0], cache.sel_heads, cache.config.budget.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
@@ -151,12 +150,18 @@ def _keep(cache: HShareCache, layer: HShareLayer, name: str, columns: torch.Tens
         kept.copy_(columns)
 
 
+def _refinement(layer: HShareLayer, by_keys: Refine | None) -> Refine:
+    """How the layer's heads refine candidates: by exact logits (`by_keys`, ``refine_by = "keys"``) or by their
+    policy's scores (`SelectionPolicy.candidate_heavy`)."""
+    return by_keys or layer.policy.candidate_heavy
+
+
 def _refine(cache: HShareCache, layer: HShareLayer, refine: Refine, query: torch.Tensor, candidates: torch.Tensor,
             window: torch.Tensor) -> None:
     """Keep as the layer's heavy columns ``[B, H_sel, heavy]`` the best of every selection head's `candidates`
-    ``[B, H_sel, C]`` in the `window` ``[B, n]`` by its own decode `query` ``[B, Hq, d]`` (`refine`: the contract
-    of `SelectionPolicy.candidate_heavy`). With static shapes they are written into the layer's own buffer in place
-    (made at the first refinement, so that a captured step refines as its eager warm-up did)."""
+    ``[B, H_sel, C]`` in the `window` ``[B, n]`` by its own decode `query` ``[B, Hq, d]`` (`refine`, `_refinement`).
+    With static shapes they are written into the layer's own buffer in place (made at the first refinement, so that a
+    captured step refines as its eager warm-up did)."""
     heavy = cache.config.budget.heavy
     if cache.static is None:
         layer.heavy = refine(query, candidates, window, heavy)
@@ -262,7 +267,7 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
         chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows,
                                            successors=config.sharing.successors, refine=by_keys, **sharing)
         heavy, candidates = _in_batch(chosen, rows, batch), _in_batch(picked, rows, batch)
-    refine = by_keys or layer.policy.candidate_heavy
+    refine = _refinement(layer, by_keys)
     for source_layer, copy_rows in share.copy_groups:
         source = cache.layers[source_layer].candidates
         if copy_rows is None:  # every row (the layer's only group)

@@ -64,7 +64,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hshare import patches
