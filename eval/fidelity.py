@@ -244,10 +244,9 @@ def _reference(model, windows: torch.Tensor, steps: int, batch: int) -> tuple[to
 
 def _measure_config(model, label: str, config, windows: torch.Tensor, tokens: torch.Tensor,
                     ref_logits: torch.Tensor, batch: int) -> FidelityResult:
-    """Force `tokens` ``[W, T]`` through the patched model, compare with `ref_logits` ``[W, T, V]``."""
-    from hshare.api import new_cache, patch
+    """Force `tokens` ``[W, T]`` through the model patched with `config`, compare with `ref_logits` ``[W, T, V]``."""
+    from hshare.api import new_cache
 
-    patch(model, config)
     agree = kl = 0.0
     work = WorkTotals()
     for rows, prompts in _batches(windows, batch):
@@ -291,7 +290,7 @@ def measure_fidelity(model, tokenizer_or_ids, text: str | None, lengths: Sequenc
         One `FidelityResult` per (config, length), configs in the given order, lengths ascending
         within each config.
     """
-    from hshare.api import patch, patch_state, unpatch
+    from hshare.api import patched, unpatched
 
     if steps < 1 or batch < 1:
         raise ValueError(f"steps = {steps}, batch = {batch}; accepted: integers >= 1")
@@ -301,24 +300,18 @@ def measure_fidelity(model, tokenizer_or_ids, text: str | None, lengths: Sequenc
     ids = text_token_ids(tokenizer_or_ids, text)
     offsets = {n: window_offsets(len(ids), n, windows) for n in lengths}  # fails before any work
 
-    previous = patch_state(model)
-    previous_config = previous.config if previous is not None else None
     results: dict[tuple[int, int], FidelityResult] = {}
     done, total = 0, len(lengths) * len(resolved)
-    try:
-        for length in lengths:
-            unpatch(model)
-            rows = torch.stack([ids[o:o + length] for o in offsets[length]])
+    for length in lengths:
+        rows = torch.stack([ids[o:o + length] for o in offsets[length]])
+        with unpatched(model):
             tokens, ref_logits = _reference(model, rows, steps, batch)
-            for index, (label, config) in enumerate(resolved):
+        for index, (label, config) in enumerate(resolved):
+            with patched(model, config):
                 results[index, length] = _measure_config(model, label, config, rows, tokens, ref_logits, batch)
-                done += 1
-                if progress is not None:
-                    progress(done, total)
-    finally:
-        unpatch(model)
-        if previous_config is not None:
-            patch(model, previous_config)
+            done += 1
+            if progress is not None:
+                progress(done, total)
     return [results[key] for key in sorted(results)]
 
 

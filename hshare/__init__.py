@@ -6,7 +6,7 @@ layers, heads and adjacent steps) and hold a prompt prefix shared by the rows on
 See README.md.
 """
 
-from hshare.api import new_cache, patch, patched, unpatch
+from hshare.api import new_cache, patch, patched, unpatch, unpatched
 from hshare.cache import HShareCache
 from hshare.counters import DecodeStats
 from hshare.config import (BudgetConfig, ConfigError, HShareConfig, PlannerConfig, PrefixConfig, RuntimeConfig,
@@ -32,4 +32,5 @@ __all__ = [
     "preset_names",
     "resolve_config",
     "unpatch",
+    "unpatched",
 ]

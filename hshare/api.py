@@ -267,15 +267,31 @@ def unpatch(model):
 
 
 @contextlib.contextmanager
-def patched(model, config: HShareConfig | str | os.PathLike | None = None, **overrides: Any) -> Iterator[Any]:
-    """``with hshare.patched(model, "ds"):`` patches for the block and restores the model after."""
+def _restored(model) -> Iterator[None]:
+    """The model's patch state (unpatched, or patched with its config) restored after the block."""
     was = patch_state(model)
     previous_config = was.config if was is not None else None
-    patch(model, config, **overrides)
     try:
-        yield model
+        yield
     finally:
-        if was is None:
+        if previous_config is None:
             unpatch(model)
         else:
             patch(model, previous_config)
+
+
+@contextlib.contextmanager
+def patched(model, config: HShareConfig | str | os.PathLike | None = None, **overrides: Any) -> Iterator[Any]:
+    """``with hshare.patched(model, "ds"):`` patches for the block and restores the model after."""
+    with _restored(model):
+        patch(model, config, **overrides)
+        yield model
+
+
+@contextlib.contextmanager
+def unpatched(model) -> Iterator[Any]:
+    """``with hshare.unpatched(model):`` the stock model for the block (its own attention and caches), and its
+    patch, if it had one, restored after."""
+    with _restored(model):
+        unpatch(model)
+        yield model

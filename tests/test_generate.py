@@ -111,6 +111,22 @@ def test_patched_context_restores_previous_config():
     assert hshare.new_cache(model).config.name == "ds"
 
 
+def test_unpatched_context_runs_the_stock_model_and_restores_the_patch():
+    model = tiny_llama()
+    ids, mask = left_padded([40, 31])
+    stock = greedy(model, ids, mask)
+    hshare.patch(model, "streaming", sink=2, local=4, heavy=0)
+    streaming = greedy(model, ids, mask)
+    assert not torch.equal(streaming, stock)  # the window is shorter than the prompts
+    with hshare.unpatched(model):
+        assert hshare.api.patch_state(model) is None and torch.equal(greedy(model, ids, mask), stock)
+    assert hshare.new_cache(model).config.name == "streaming" and torch.equal(greedy(model, ids, mask), streaming)
+    hshare.unpatch(model)
+    with hshare.unpatched(model):  # an unpatched model stays unpatched
+        pass
+    assert hshare.api.patch_state(model) is None
+
+
 def test_repeated_calls_with_other_batches_do_not_leak_state():
     model = tiny_llama()
     hshare.patch(model, "hshare-1_2-1_2-1_2", **SMALL)
