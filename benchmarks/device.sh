@@ -22,6 +22,9 @@
 #   refine32k  Llama-3-8B shape B4 x 32k (one row in four padded), 64 new tokens timed per step:
 #              1/2-1/2-1/2, hshare-refine (C = 2 and 4) and quest at N_c 1024 as configured by default;
 #              REFINE32K_PATHS overrides the paths
+#   refineplans Llama-2-7B shape B16 x 4k, 64 new tokens, two rounds: StaticCache, 1/2-1/2-1/2@512, the refinement preset
+#              (hshare-refine-successors-c4@512) and its auto planner under scoring budgets of 1/4 and 1/8 (each row
+#              prints the plan it timed: layer and head copies, the share of selecting pairs)
 #   llama2     `hshare bench generate`, Llama-2-7B shape, B16, 4k prompts, 256 new: StaticCache, dense, ds@512,
 #              hshare-1_2-1_2-1_2@512; LLAMA2_PATHS overrides the paths, REPEATS the timed pairs (default 3)
 #   unfused    the same shape, dense and 1/2-1/2-1/2@512 also with compile_elementwise off
@@ -163,6 +166,10 @@ one_gpu_part() {
     refine32k)
       grid 300 --shapes llama3-8b --rows 4 --prompts 32k --new-tokens 64 --padded --name refine_b4_p32k \
         --paths "${REFINE32K_PATHS:-$HS@1024,hshare-refine@1024,hshare-refine@1024+candidates=4,quest@1024}" ;;
+    refineplans)
+      budget=hshare-refine-successors-c4@512+planner=auto+layer_sharing=1/8+head_sharing=1/3+share_scorings
+      ROUNDS=2 grid 360 --shapes llama2-7b --rows 16 --prompts 4k --new-tokens 64 --name refine_plans_b16_p4k \
+        --paths "static,$HS@512,hshare-refine-successors-c4@512,$budget=1/4,$budget=1/8" ;;
     llama2)
       bench 500 "${LLAMA2[@]}" --paths "${LLAMA2_PATHS:-static,dense,$HS@512,ds@512}" ;;
     unfused)
@@ -503,12 +510,12 @@ eval_part() {
 
 run_part() {
   case $1 in
-    suite|tests|selection|linear|crossover|refine32k|long32k|long128k|llama2|unfused|llama3|prefix|b8|prefill|profile|gather|topk|labelchunks|peak|long|grid|gridquest|candidates|refinetail) one_gpu_part "$1" ;;
+    suite|tests|selection|linear|crossover|refine32k|long32k|long128k|llama2|unfused|llama3|prefix|b8|prefill|profile|gather|topk|labelchunks|peak|long|grid|gridquest|candidates|refinetail|refineplans) one_gpu_part "$1" ;;
     tests2gpu|tp8b|one8b|tp70b|devmap|fallback0|table2gpu) two_gpu_part "$1" 2>&1 | tee "$OUT/$1.log" ;;
     setup|fidelity|gsm8k|multi_news|ablation|ruler|fidelity8k|evalcmd)
       eval_part "$1" 2>&1 | tee "$OUT/$1.log" ;;
     *)
-      echo "unknown part '$1'; accepted: suite tests selection crossover refine32k long32k long128k llama2 unfused llama3 prefix b8 prefill profile gather topk labelchunks peak candidates refinetail" \
+      echo "unknown part '$1'; accepted: suite tests selection crossover refine32k long32k long128k llama2 unfused llama3 prefix b8 prefill profile gather topk labelchunks peak candidates refinetail refineplans" \
         "long grid gridquest | tests2gpu tp8b one8b tp70b devmap fallback0 table2gpu | setup fidelity gsm8k multi_news" \
         "ablation ruler fidelity8k evalcmd" >&2
       return 2 ;;
