@@ -639,8 +639,8 @@ def candidate_register_cap(walk: bool, slots: int, bits: int, programs: int, sms
 
 def tail_tile(heavy: int) -> int:
     """Candidates a tile of a label top-k's last program holds: twice `heavy` (its candidates, the keys >= the bound
-    L, are heavy to about twice that), at least `TAIL_TILE` and at most `MAX_TAIL_TILE`; where they fit one tile
-    its search and writes run in registers, else every pass reads the tiles again (from L2)."""
+    L, number from heavy to about twice as many), at least `TAIL_TILE` and at most `MAX_TAIL_TILE`. Where they fit
+    one tile its search and writes run in registers, else every pass reads the tiles again (from L2)."""
     return min(MAX_TAIL_TILE, max(TAIL_TILE, triton.next_power_of_2(2 * heavy)))
 
 
