@@ -20,7 +20,7 @@ import triton.language as tl
 
 from hshare.bench.timing import graph_time_us
 from hshare.kernels.key_search_triton import _exact_threshold, _first_value, _sum_min_max, _top_columns
-from hshare.kernels.label_topk import select_heavy_columns_torch
+from hshare.kernels.label_topk import score_keys_torch, select_heavy_columns_torch
 
 STAGES = ("load", "stats", "search", "full")
 
@@ -51,12 +51,6 @@ def _stage(key_ptr, col_ptr, out_ptr, heavy, C_PAD: tl.constexpr, STAGE: tl.cons
         tl.store(out_row + slots, cols.to(tl.int64), mask=(slots < heavy) & (key >= threshold))
 
 
-def score_keys(scores: torch.Tensor) -> torch.Tensor:
-    """Order-preserving int32 keys of fp32 scores (as `key_search_triton._score_key`)."""
-    bits = torch.where(scores == 0, torch.zeros_like(scores), scores).view(torch.int32)
-    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--programs", default="8,32,512")
@@ -77,7 +71,7 @@ def main() -> None:
                 codes = torch.randint(0, 16, (programs, args.width, 16), device=device).float()
                 scores = (codes @ torch.randn(programs, 16, 1, device=device)).squeeze(-1)
             key = torch.full((programs, pad), -2**31, dtype=torch.int32, device=device)
-            key[:, :args.width] = score_keys(scores)
+            key[:, :args.width] = score_keys_torch(scores)
             cols = torch.full((programs, pad), -1, dtype=torch.int32, device=device)
             cols[:, :args.width] = torch.arange(args.width, dtype=torch.int32, device=device)
             out = torch.empty(programs, args.heavy, dtype=torch.int64, device=device)

@@ -223,6 +223,14 @@ def window_columns(window: torch.Tensor | None, selectable: torch.Tensor | None,
     return ok
 
 
+def score_keys_torch(scores: torch.Tensor) -> torch.Tensor:
+    """Order-preserving int32 keys of fp32 scores (any shape), -0.0 as +0.0: the twin of
+    `key_search_triton._score_key`."""
+    bits = scores.float().view(torch.int32)
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return torch.where(bits == -(1 << 31), torch.zeros_like(key), key)
+
+
 def select_heavy_columns_torch(scores: torch.Tensor, selectable: torch.Tensor, heavy: int) -> torch.Tensor:
     """The selection rule of the module contract on computed scores.
 
@@ -246,9 +254,7 @@ def select_heavy_columns_torch(scores: torch.Tensor, selectable: torch.Tensor, h
         chosen = masked.sort(dim=-1, descending=True, stable=True).indices[..., :take]
         found = ok.gather(-1, chosen)
     else:  # one int64 per column: its score's order-preserving key, then the column (smaller first)
-        bits = scores.float().view(torch.int32)
-        key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        key = torch.where(bits == -(1 << 31), torch.zeros_like(key), key)  # -0.0 as +0.0
+        key = score_keys_torch(scores)
         columns = torch.arange(n, device=scores.device)
         packed = (key.long() << 32) | (0xFFFFFFFF - columns)
         packed = packed.masked_fill(~ok, torch.iinfo(torch.int64).min)
