@@ -2,10 +2,10 @@
 registers (`key_search_triton`), stage by stage, at a few and at many programs (on the GPU).
 
 Each program loads its row of order-preserving keys ``[P, C_PAD]`` int32 (INT32_MIN past C) and of candidate
-columns, then runs up to a stage: `load` (write the first r columns), `stats` (+ count, bounds and the first
-pivot), `search` (+ the exact threshold), `full` (`_top_columns`: + the writes in candidate order), checked
-against the twin (`label_topk.select_heavy_columns_torch`). Each stage is one launch replayed as a CUDA graph
-(`graph_time_us`): `load` is mostly the replay's own cost.
+columns, then runs up to a stage: `load` (their count, bounds and moments in one reduction; write the first r
+columns), `stats` (+ the first pivot), `search` (+ the exact threshold), `full` (`_top_columns`: + the writes in
+candidate order), checked against the twin (`label_topk.select_heavy_columns_torch`). Each stage is one launch
+replayed as a CUDA graph (`graph_time_us`): `load` is mostly the replay's own cost.
 
     python3 benchmarks/search_timing.py --programs 8,512 --width 1728 --heavy 432
 """
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from hshare.bench.timing import graph_time_us
-from hshare.kernels.key_search_triton import _exact_threshold, _first_value, _sum_min_max, _top_columns
+from hshare.kernels.key_search_triton import _exact_threshold, _first_value, _key_stats, _top_columns
 from hshare.kernels.label_topk import score_keys_torch, select_heavy_columns_torch
 
 STAGES = ("load", "stats", "search", "full")
@@ -36,13 +36,11 @@ def _stage(key_ptr, col_ptr, out_ptr, heavy, C_PAD: tl.constexpr, STAGE: tl.cons
     if STAGE == 3:
         _top_columns(out_row, key, cols, heavy, TILE)
     else:
-        ok = key != -2147483648
-        count, smallest, largest = tl.reduce((ok.to(tl.int32), tl.where(ok, key, 2147483647), key), 0,
-                                             _sum_min_max)
+        count, smallest, largest, mean, std = _key_stats(key, key != -2147483648)
         r = tl.minimum(count, heavy)
         threshold = smallest
         if STAGE >= 1:
-            first = _first_value(key, ok, count, r.to(tl.float32) - 0.5)
+            first = _first_value(mean, std, count, r.to(tl.float32) - 0.5)
             threshold = threshold + (first > 1e30).to(tl.int32)
         if STAGE >= 2:
             threshold, ties = _exact_threshold(key, 1, out_row, 0, r, smallest, count, largest.to(tl.int64) + 1,

@@ -153,32 +153,32 @@ def _key_stats(key, ok):
 
 
 @triton.jit
-def _moments(key, ok, count):
-    """Mean and standard deviation of the scores of the keys where `ok` (`count` of them, > 0)."""
-    values = _key_value(key)
-    mean = tl.sum(tl.where(ok, values, 0.0), 0) / count.to(tl.float32)
-    centered = tl.where(ok, values - mean, 0.0)
-    return mean, tl.sqrt(tl.sum(centered * centered, 0) / count.to(tl.float32))
-
-
-@triton.jit
-def _first_value(key, ok, count, aim):
-    """Mean + std * (normal quantile of aim / count) of the scores of the keys where `ok` (count > 0):
-    the first pivot of a search; `aim` may be a vector of targets."""
-    mean, std = _moments(key, ok, count)
+def _first_value(mean, std, count, aim):
+    """The first pivot's score of a search for the top `aim` of `count` keys (> 0) whose scores have this mean and
+    standard deviation (`_key_stats`): mean + std * (normal quantile of aim / count); `aim` may be a vector of
+    targets."""
     return mean + std * _probit(aim / count.to(tl.float32))
 
 
 @triton.jit
 def _write_columns(out_row, key, col, threshold, ties, slot_base, tie_base):
     """Write the columns of keys > threshold and of the keys equal to it ranked <= ties (counting from
-    tie_base), at slots counted from slot_base, in the tiles' order. Returns the advanced bases."""
+    tie_base), at slots counted from slot_base, in the tiles' order. Returns the advanced bases.
+
+    One scan counts both: the keys above in the high half of an int32, the ties in the low 16 bits (a tile holds
+    fewer than 65,536 keys); a key's slot is the keys above before it plus the ties taken before it."""
+    above = key > threshold
     tie = key == threshold
-    tie_rank = tie_base + tl.cumsum(tie.to(tl.int32), 0)
-    take = (key > threshold) | (tie & (tie_rank <= ties))
-    slot = slot_base + tl.cumsum(take.to(tl.int32), 0) - 1
+    flags = above.to(tl.int32) * 65536 + tie.to(tl.int32)
+    before = tl.cumsum(flags, 0) - flags  # exclusive
+    ties_before = before & 0xFFFF
+    room = tl.maximum(ties - tie_base, 0)  # ties the tile may still take (ties: INT32_MAX = all of them)
+    take = above | (tie & (ties_before < room))
+    slot = slot_base + (before >> 16) + tl.minimum(ties_before, room)
     tl.store(out_row + slot, col.to(tl.int64), mask=take)
-    return slot_base + tl.sum(take.to(tl.int32), 0), tie_base + tl.sum(tie.to(tl.int32), 0)
+    total = tl.sum(flags, 0)
+    tile_ties = total & 0xFFFF
+    return slot_base + (total >> 16) + tl.minimum(tile_ties, room), tie_base + tile_ties
 
 
 @triton.jit
@@ -193,12 +193,11 @@ def _fill_empty(out_row, first, heavy, TILE: tl.constexpr):
 def _top_columns(out_row, key, cols, heavy, TILE: tl.constexpr):
     """The columns `cols` of the top ``min(heavy, keys)`` of `key` (INT32_MIN: no key; ties: the first in
     order) written at ``out_row[0:heavy)`` in their order, then NO_TOKEN."""
-    ok = key != -2147483648
-    count, smallest, largest = tl.reduce((ok.to(tl.int32), tl.where(ok, key, 2147483647), key), 0, _sum_min_max)
+    count, smallest, largest, mean, std = _key_stats(key, key != -2147483648)
     r = tl.minimum(count, heavy)
     taken = tl.zeros((), tl.int32)
     if r > 0:
-        first = _first_value(key, ok, count, r.to(tl.float32) - 0.5)
+        first = _first_value(mean, std, count, r.to(tl.float32) - 0.5)
         threshold, ties = _exact_threshold(key, 1, out_row, 0, r, smallest, count, largest.to(tl.int64) + 1,
                                            first, False, TILE)
         taken, _ = _write_columns(out_row, key, cols, threshold, ties, 0, 0)

@@ -57,8 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .key_search_triton import (SENTINEL, _exact_threshold, _fill_empty, _first_value, _key_value, _pivot, _probit,
-                                _score_key, _top_columns, _write_columns)
+from .key_search_triton import (SENTINEL, _exact_threshold, _fill_empty, _first_value, _key_stats, _key_value, _pivot,
+                                _probit, _score_key, _top_columns, _write_columns)
 from .gather_attention_triton import num_sms
 from .labels_triton import _label_scores, kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
@@ -247,20 +247,14 @@ def _label_topk_sketch(
         levels = tl.arange(0, LEVELS_)
         lo = tl.full((LEVELS_,), -2147483648, tl.int64)
         count_lo = tl.zeros((LEVELS_,), tl.int32)
-        count = tl.zeros((), tl.int32)
-        largest = tl.full((), -2147483648, tl.int32)
-        smallest = tl.full((), 2147483647, tl.int32)
-        ok = key != -2147483648
-        count = tl.sum(ok.to(tl.int32), 0)
+        count, smallest, largest, mean, std = _key_stats(key, key != -2147483648)
         if count > 0:
-            largest = tl.max(key, 0)
-            smallest = tl.min(tl.where(ok, key, 2147483647), 0)
             # per level: a key whose count of keys at or above is within [r, r + r/4], by the
             # search of `_exact_threshold` over all levels at once, stopped at the window
             r = tl.minimum(_level_targets(r0, r1, r2, r3, LEVELS_), count)
             slack = r >> 2
             aim = (r + (slack >> 1)).to(tl.float32)
-            first = _first_value(key, ok, count, aim)
+            first = _first_value(mean, std, count, aim)
             total = count.to(tl.float32)
             lo = tl.zeros((LEVELS_,), tl.int64) + smallest
             count_lo = tl.zeros((LEVELS_,), tl.int32) + count

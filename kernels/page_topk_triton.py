@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .critical_indices import NO_TOKEN
-from .key_search_triton import _exact_threshold, _fill_empty, _first_value, _score_key, _sum_min_max
+from .key_search_triton import _exact_threshold, _fill_empty, _first_value, _key_stats, _score_key
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 BLOCK_COLUMNS = 16384  # window columns counted at once
@@ -71,14 +71,14 @@ def _page_heavy(
     ok = (page < pages) & (count > 0)
     key = tl.where(ok, _score_key(score), -2147483647 - 1)
     weight = tl.where(ok, count, 0)
-    taken_pages, smallest, largest = tl.reduce((ok.to(tl.int32), tl.where(ok, key, 2147483647), key), 0, _sum_min_max)
+    taken_pages, smallest, largest, mean, std = _key_stats(key, ok)
     total = tl.sum(weight, 0)
     r = tl.minimum(total, heavy)
     threshold = tl.zeros((), tl.int32) + 2147483647  # nothing above: no page taken
     ties = tl.zeros((), tl.int32)
     if r > 0:
         aim = (r.to(tl.float32) - 0.5) * taken_pages.to(tl.float32) / total.to(tl.float32)  # in pages
-        first = _first_value(key, ok, taken_pages, aim)
+        first = _first_value(mean, std, taken_pages, aim)
         threshold, ties = _exact_threshold(key, weight, out_row, 0, r, smallest, total, largest.to(tl.int64) + 1,
                                            first, False, TILE)
     # 3. what each page takes (the tied pages in page order, the last one cut), and its first slot

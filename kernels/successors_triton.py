@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .key_search_triton import _exact_threshold, _key_stats, _probit, _score_key
+from .key_search_triton import _exact_threshold, _first_value, _key_stats, _score_key, _write_columns
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 COLUMN_BITS = 24  # columns < 2**24 in the packed sort key
@@ -61,10 +61,9 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
     # share of the columns; the score moments serve the best-TOP search too)
     slots = tl.zeros((), tl.int32) + K
     given_count, lo, hi, mean, std = _key_stats(key, given)
-    present = tl.maximum(given_count, 1).to(tl.float32)
     hi = hi.to(tl.int64) + 1
     total = tl.sum(cost, 0)
-    guess = mean + std * _probit((slots - 0.5) / tl.maximum(total, 1))
+    guess = _first_value(mean, std, tl.maximum(total, 1), slots - 0.5)
     stop, _ = _exact_threshold(key, cost, best_out, 0, slots, lo, total, hi, guess, False, K_P)
     above = given & (key > stop)
     tie = given & (key == stop)
@@ -82,12 +81,9 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
     if TOP > 0:  # the best TOP given columns
         top = tl.zeros((), tl.int32) + TOP
         best, ties = _exact_threshold(key, 1, best_out, 0, top, lo, given_count, hi,
-                                      mean + std * _probit((top - 0.5) / present), False, K_P)
-        tie = given & (key == best)
-        chosen = (given & (key > best)) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= ties))
-        slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
-        tl.store(best_out + slot, columns, mask=chosen)
-        tl.store(best_out + i, tl.full([K_P], -1, tl.int64), mask=(i >= tl.sum(chosen.to(tl.int32), 0)) & (i < TOP))
+                                      _first_value(mean, std, tl.maximum(given_count, 1), top - 0.5), False, K_P)
+        taken, _ = _write_columns(best_out, key, columns, best, ties, 0, 0)  # not given: INT32_MIN, never taken
+        tl.store(best_out + i, tl.full([K_P], -1, tl.int64), mask=(i >= taken) & (i < TOP))
 
 
 @triton.jit
