@@ -34,7 +34,7 @@ def _stage(key_ptr, col_ptr, out_ptr, heavy, C_PAD: tl.constexpr, STAGE: tl.cons
     cols = tl.load(col_ptr + pid.to(tl.int64) * C_PAD + slots)
     out_row = out_ptr + pid.to(tl.int64) * heavy
     if STAGE == 3:
-        _top_columns(out_row, key, cols, heavy, TILE)
+        _top_columns(out_row, key, cols, heavy, TILE, out_row, False)
     else:
         count, smallest, largest, mean, std = _key_stats(key, key != -2147483648)
         r = tl.minimum(count, heavy)

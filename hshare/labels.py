@@ -18,8 +18,8 @@ import torch
 
 from hshare.channels import dynamic_channels, resolve_calibration
 from hshare.config import ConfigError, HShareConfig, PolicyConfig, check_choice, check_int
-from hshare.kernels import (append_labels, candidate_label_scores, candidate_label_topk, candidate_label_walk,
-                            decode_label_scores, decode_label_topk, label_scores, label_storage_dtype, query_labels,
+from hshare.kernels import (append_labels, candidate_label_scores, candidate_label_topk, decode_label_scores,
+                            decode_label_topk, decode_label_topk_walk, label_scores, label_storage_dtype, query_labels,
                             use_triton)
 from hshare.policy import SelectionPolicy, register_policy
 
@@ -201,14 +201,14 @@ class LabelCache(SelectionPolicy):
     def decode_heavy_successors(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int,
                                 rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, top: int = 0
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused top-k (`decode_heavy`), then the top columns' label scores, their walk with successors and
-        their best `top` in one operation (`kernels.candidate_label_walk`; CUDA: one launch, their ``heavy``
-        label rows read)."""
-        best = self.decode_heavy(query, selectable, heavy, rows, heads)
-        # the fused label top-k writes its columns ascending (the walk then sorts none); the generic one a set
-        return candidate_label_walk(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
-                                    self.bits, best, selectable, rows, heads, top=top,
-                                    ascending=use_triton(self.codes.view()))
+        """The top `heavy` columns by label scores walked with their successors, and their best `top`, each column
+        scored once (`kernels.decode_label_topk_walk`; CUDA: the fused top-k writes its columns' keys and the walk
+        reads them)."""
+        return decode_label_topk_walk(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
+                                      self.bits, heavy, selectable, rows, heads, top=top)
+
+    def successor_rescorings(self, walked: int) -> int:
+        return 0  # the walk takes the selection's own scores (`decode_heavy_successors`)
 
     def candidate_heavy(self, query: torch.Tensor, candidates: torch.Tensor, window: torch.Tensor, heavy: int,
                         rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,

@@ -175,6 +175,12 @@ class SelectionPolicy(ABC):
         best = select_heavy(scores, selectable[:, None], heavy)
         return with_successors(best, scores.gather(-1, best.clamp(min=0)), selectable, top)
 
+    def successor_rescorings(self, walked: int) -> int:
+        """Units that `decode_heavy_successors` scores again a (row, head) to rank its `walked` top columns: all of
+        them where the policy scores candidates alone (its selection keeps no scores), else none. A policy whose
+        selection hands its scores to the walk overrides it."""
+        return walked if self.scores_candidates else 0
+
     def candidate_scores(self, query: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | None = None,
                          heads: torch.Tensor | None = None) -> torch.Tensor:
         """Scores ``[B', H', C]`` of candidate columns ``[B', H', C]`` (negative entries: any value, the caller

@@ -421,13 +421,15 @@ class StepPlanner:
         self.counts.score_computations += scorings
         self.counts.refinements += refinements
         # a scoring scores every unit; with candidates, a policy that scores them alone picks the selecting
-        # head's heavy among its C by scoring them again, or with successors ranks its top C (or heavy) by
-        # scoring them again (`SelectionPolicy.decode_heavy_successors`); a refinement scores C (or every unit).
+        # head's heavy among its C by scoring them again; with successors, ranking its top C (or heavy) scores
+        # what `SelectionPolicy.successor_rescorings` says; a refinement scores C (or every unit).
         # refine_by "keys": a selecting head's C and each refinement's C are key rows (`scored_keys`) instead
         sharing = self.config.sharing
         by_keys = sharing.refine_by == "keys"
-        ranked_again = (count or self.config.budget.heavy) if sharing.successors else count
-        again = ranked_again if policy.scores_candidates and (sharing.successors or not by_keys) else 0
+        if sharing.successors:
+            again = policy.successor_rescorings(count or self.config.budget.heavy)
+        else:
+            again = count if policy.scores_candidates and not by_keys else 0
         scored = scorings * (units + again)
         if by_keys:
             self.counts.scored_keys += (scorings + refinements) * count

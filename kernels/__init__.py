@@ -11,7 +11,8 @@ from .channel_statistic import channel_statistic, channel_statistic_torch
 from .critical_indices import NO_TOKEN, critical_indices, critical_indices_torch
 from .heavy_topk import select_heavy, select_heavy_torch
 from .label_topk import candidate_label_topk, candidate_label_topk_torch, candidate_label_walk, \
-    candidate_label_walk_torch, decode_label_topk, decode_label_topk_torch, label_topk, label_topk_torch
+    candidate_label_walk_torch, decode_label_topk, decode_label_topk_torch, decode_label_topk_walk, \
+    decode_label_topk_walk_torch, label_topk, label_topk_torch
 from .dispatch import use_triton
 from .gather_attention import gather_attention, gather_attention_torch
 from .labels import append_labels, candidate_label_scores, decode_label_scores, dequantize_labels, label_scores, label_storage_dtype, \
@@ -46,6 +47,8 @@ __all__ = [
     "decode_label_scores",
     "decode_label_topk",
     "decode_label_topk_torch",
+    "decode_label_topk_walk",
+    "decode_label_topk_walk_torch",
     "dequantize_labels",
     "gather_attention",
     "gather_attention_torch",

@@ -161,9 +161,10 @@ def _first_value(mean, std, count, aim):
 
 
 @triton.jit
-def _write_columns(out_row, key, col, threshold, ties, slot_base, tie_base):
+def _write_columns(out_row, key, col, threshold, ties, slot_base, tie_base, key_row, KEYS: tl.constexpr):
     """Write the columns of keys > threshold and of the keys equal to it ranked <= ties (counting from
-    tie_base), at slots counted from slot_base, in the tiles' order. Returns the advanced bases.
+    tie_base), at slots counted from slot_base, in the tiles' order; with KEYS their keys too, at the same slots of
+    `key_row` (int32). Returns the advanced bases.
 
     One scan counts both: the keys above in the high half of an int32, the ties in the low 16 bits (a tile holds
     fewer than 65,536 keys); a key's slot is the keys above before it plus the ties taken before it."""
@@ -176,23 +177,28 @@ def _write_columns(out_row, key, col, threshold, ties, slot_base, tie_base):
     take = above | (tie & (ties_before < room))
     slot = slot_base + (before >> 16) + tl.minimum(ties_before, room)
     tl.store(out_row + slot, col.to(tl.int64), mask=take)
+    if KEYS:
+        tl.store(key_row + slot, key, mask=take)
     total = tl.sum(flags, 0)
     tile_ties = total & 0xFFFF
     return slot_base + (total >> 16) + tl.minimum(tile_ties, room), tie_base + tile_ties
 
 
 @triton.jit
-def _fill_empty(out_row, first, heavy, TILE: tl.constexpr):
-    """NO_TOKEN in slots ``[first, heavy)``."""
+def _fill_empty(out_row, first, heavy, TILE: tl.constexpr, key_row, KEYS: tl.constexpr):
+    """NO_TOKEN in slots ``[first, heavy)``; with KEYS, INT32_MIN (no key) there in `key_row` too."""
     for t in range(first, heavy, TILE):
         slots = t + tl.arange(0, TILE)
         tl.store(out_row + slots, tl.full((TILE,), NO_TOKEN, tl.int64), mask=slots < heavy)
+        if KEYS:
+            tl.store(key_row + slots, tl.full((TILE,), -2147483648, tl.int32), mask=slots < heavy)
 
 
 @triton.jit
-def _top_columns(out_row, key, cols, heavy, TILE: tl.constexpr):
+def _top_columns(out_row, key, cols, heavy, TILE: tl.constexpr, key_row, KEYS: tl.constexpr):
     """The columns `cols` of the top ``min(heavy, keys)`` of `key` (INT32_MIN: no key; ties: the first in
-    order) written at ``out_row[0:heavy)`` in their order, then NO_TOKEN."""
+    order) written at ``out_row[0:heavy)`` in their order, then NO_TOKEN; with KEYS their keys at ``key_row[0:heavy)``,
+    then INT32_MIN."""
     count, smallest, largest, mean, std = _key_stats(key, key != -2147483648)
     r = tl.minimum(count, heavy)
     taken = tl.zeros((), tl.int32)
@@ -200,5 +206,5 @@ def _top_columns(out_row, key, cols, heavy, TILE: tl.constexpr):
         first = _first_value(mean, std, count, r.to(tl.float32) - 0.5)
         threshold, ties = _exact_threshold(key, 1, out_row, 0, r, smallest, count, largest.to(tl.int64) + 1,
                                            first, False, TILE)
-        taken, _ = _write_columns(out_row, key, cols, threshold, ties, 0, 0)
-    _fill_empty(out_row, taken, heavy, TILE)
+        taken, _ = _write_columns(out_row, key, cols, threshold, ties, 0, 0, key_row, KEYS)
+    _fill_empty(out_row, taken, heavy, TILE, key_row, KEYS)

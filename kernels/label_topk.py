@@ -39,6 +39,9 @@ scores the candidates (`labels.candidate_label_scores`).
 `candidate_label_walk` (`SharingConfig.successors`) scores a selection's top columns the same way and walks
 them in rank order with their successors (`successors.with_successors`). CUDA:
 `label_topk_triton.candidate_label_walk_triton` (launched as the top-k); the twin `candidate_label_walk_torch`.
+`decode_label_topk_walk` is a selecting head's whole selection with successors: `decode_label_topk` of C columns,
+then their walk, the columns scored once (CUDA: the label top-k writes its columns' keys, which the walk reads
+instead of scoring them again; the twin `decode_label_topk_walk_torch`).
 """
 
 from __future__ import annotations
@@ -177,6 +180,52 @@ def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: tor
                                            selectable, top, ascending=ascending)
     return candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads,
                                       top)
+
+
+def decode_label_topk_walk(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
+                           scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int, count: int,
+                           selectable: torch.Tensor, rows: torch.Tensor | None = None,
+                           heads: torch.Tensor | None = None, *, top: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_label_topk` of `count` columns, walked with their successors (`candidate_label_walk`, ascending), by
+    label scores computed once: a selecting head's candidates and its best `top` (`SharingConfig.successors`).
+
+    Args:
+        query, channels, codes, scale, zero, bits, rows, heads: as `decode_label_topk`.
+        count: C, the top columns walked; selectable: ``[A, n]`` bool, the window (the top-k's and the walk's).
+
+    Returns:
+        ``(taken, best)``, ``[A, H', C]`` and ``[A, H', top]`` int64, as `candidate_label_walk` of the top C.
+        CUDA: `label_topk_triton.label_topk_triton` writing its columns' keys, then
+        `candidate_label_walk_triton` reading them (no label row read twice) up to ``MAX_WALK_CANDIDATES``; wider,
+        the twin (with a RuntimeWarning).
+    """
+    if _runs_triton(query, codes, bits, count, channels.shape[-1]) and _candidates_fit(count, True):
+        import triton
+
+        from .label_topk_triton import candidate_label_walk_triton, label_topk_triton
+
+        row_heads = (query.shape[0] if rows is None else rows.shape[0]) * (
+            channels.shape[1] if heads is None else heads.shape[-1])
+        keys = torch.empty(row_heads, max(16, triton.next_power_of_2(count)), dtype=torch.int32, device=codes.device)
+        columns = label_topk_triton(None, codes, scale, zero, bits, count, rows, heads, None, selectable, query=query,
+                                    channels=channels, keys=keys)
+        return candidate_label_walk_triton(query, channels, codes, scale, zero, bits, columns, rows, heads,
+                                           selectable, top, ascending=True, keys=keys)
+    return decode_label_topk_walk_torch(query, channels, codes, scale, zero, bits, count, selectable, rows, heads,
+                                        top)
+
+
+def decode_label_topk_walk_torch(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
+                                 scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int, count: int,
+                                 selectable: torch.Tensor, rows: torch.Tensor | None = None,
+                                 heads: torch.Tensor | None = None, top: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of `decode_label_topk_walk` (same contract): every column scored (`labels.score_heads_torch`), the
+    top C selected (`select_heavy_columns_torch`), their scores walked (`successors.with_successors_torch`)."""
+    labels = decode_query_labels(query, channels, rows, heads)  # [A, H', r]
+    scores = score_heads_torch(labels, codes, scale, zero, bits, rows, heads)  # [A, H', n]
+    columns = select_heavy_columns_torch(scores, window_columns(None, selectable, scores.shape[0], scores.shape[-1],
+                                                                scores.device), count)
+    return with_successors_torch(columns, scores.gather(-1, columns.clamp(min=0)), selectable, top)
 
 
 def candidate_label_walk_torch(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,

@@ -223,15 +223,16 @@ def _program_keys(ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_pt
 @triton.jit
 def _label_topk_sketch(
     ql_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr, mask_ptr,
-    sketch_ptr, done_ptr, list_ptr, out_ptr, n, heavy, list_cap, r0, r1, r2, r3,
+    sketch_ptr, done_ptr, list_ptr, out_ptr, keys_ptr, n, heavy, list_cap, key_stride, r0, r1, r2, r3,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb,
     HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
     BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr,
     FROM_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
     SINGLE: tl.constexpr, CHUNK_: tl.constexpr, LEVELS_: tl.constexpr, SKETCH_: tl.constexpr, TILE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    KEYS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """Program (row-head pid, chunk): the chunk's sketch, or with SINGLE (one chunk) the row's columns."""
+    """Program (row-head pid, chunk): the chunk's sketch, or with SINGLE (one chunk) the row's columns (KEYS: and
+    their keys, at the same slots of the row-head's row of `keys_ptr`, `key_stride` apart)."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -240,7 +241,8 @@ def _label_topk_sketch(
                               s_sh, s_zb, s_zh, s_hb, s_mb, HEADS, ROWS_INDEXED, HEADS_INDEXED, R, R_PAD, BITS,
                               LOAD_BYTES, GROUP, PER_ROW_CHANNELS, FROM_QUERY, HAS_WINDOW, HAS_MASK, CHUNK_)
     if SINGLE:
-        _top_columns(out_ptr + pid.to(tl.int64) * heavy, key, cols, heavy, TILE)
+        _top_columns(out_ptr + pid.to(tl.int64) * heavy, key, cols, heavy, TILE, keys_ptr + pid.to(tl.int64) * key_stride,
+                     KEYS)
     else:
         if chunk == 0:
             tl.store(done_ptr + pid, 0)  # the second launch's ticket of this row-head
@@ -314,7 +316,7 @@ def _candidate_tail(out_row, best_row, window_row, cols, key, n, heavy, top, C_P
         _walk(out_row, best_row, cols.to(tl.int64), key, key != -2147483648, window_row, n, heavy, top, C_PAD,
               ASCENDING)
     else:
-        _top_columns(out_row, key, cols, heavy, TILE)
+        _top_columns(out_row, key, cols, heavy, TILE, out_row, False)
 
 
 @triton.jit
@@ -379,13 +381,13 @@ def _label_candidate_scores(
 
 @triton.jit
 def _label_topk_select(
-    sketch_ptr, done_ptr, list_ptr, cand_ptr, out_ptr, heavy, chunk_cap, cand_stride,
+    sketch_ptr, done_ptr, list_ptr, cand_ptr, out_ptr, keys_ptr, heavy, chunk_cap, cand_stride, key_stride,
     CHUNKS_PAD: tl.constexpr, LEVELS_: tl.constexpr, SKETCH_: tl.constexpr, TILE: tl.constexpr,
-    LIST_PAD: tl.constexpr,
+    LIST_PAD: tl.constexpr, KEYS: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Program (row-head pid, chunk): the chunk's candidates (from its list); the row-head's last program, its
-    columns."""
+    columns (KEYS: and their keys, as `_label_topk_sketch`)."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -442,22 +444,26 @@ def _label_topk_select(
     ticket = tl.atomic_add(done_ptr + pid, 1, sem="acq_rel", scope="gpu")
     if ticket == chunks - 1:  # the row-head's last program: its columns from the candidates
         out_row = out_ptr + pid.to(tl.int64) * heavy
+        key_row = keys_ptr + pid.to(tl.int64) * key_stride
         taken = tl.zeros((), tl.int32)
         if need > 0:
             if span <= TILE:  # one tile: held in registers for the search and the writes
                 slots = tl.arange(0, TILE)
                 packed = tl.load(buf + slots, mask=slots < span, other=SENTINEL, cache_modifier=".cg")
-                taken = _select_candidates(out_row, packed, buf, span, bound, need, False, TILE)
+                taken = _select_candidates(out_row, packed, buf, span, bound, need, False, TILE, key_row, KEYS)
             else:  # several tiles: every pass reads them again (from L2)
-                taken = _select_candidates(out_row, tl.zeros((TILE,), tl.int64), buf, span, bound, need, True, TILE)
-        _fill_empty(out_row, taken, heavy, TILE)
+                taken = _select_candidates(out_row, tl.zeros((TILE,), tl.int64), buf, span, bound, need, True, TILE,
+                                           key_row, KEYS)
+        _fill_empty(out_row, taken, heavy, TILE, key_row, KEYS)
 
 
 @triton.jit
-def _select_candidates(out_row, packed, buf_ptr, span, bound, need, FROM_BUFFER: tl.constexpr, TILE: tl.constexpr):
+def _select_candidates(out_row, packed, buf_ptr, span, bound, need, FROM_BUFFER: tl.constexpr, TILE: tl.constexpr,
+                       key_row, KEYS: tl.constexpr):
     """The exact top-`need` of the packed candidates (all >= `bound`; SENTINEL: an empty slot), held
     in `packed` ``[TILE]`` or (FROM_BUFFER) in ``buf[0:span)``: their columns written ascending (the
-    candidates are in column order). Returns how many were written."""
+    candidates are in column order; KEYS: their keys at the same slots of `key_row`). Returns how many were
+    written."""
     shift = _key_value(bound)  # moments of the candidates' scores, about L
     if FROM_BUFFER:
         present = tl.zeros((TILE,), tl.int32)
@@ -497,9 +503,10 @@ def _select_candidates(out_row, packed, buf_ptr, span, bound, need, FROM_BUFFER:
                 slots = t + tl.arange(0, TILE)
                 tile = tl.load(buf_ptr + slots, mask=slots < span, other=SENTINEL, cache_modifier=".cg")
                 taken, tie_base = _write_columns(out_row, (tile >> 32).to(tl.int32), (tile & 0xFFFFFFFF).to(tl.int32),
-                                                 threshold, ties, taken, tie_base)
+                                                 threshold, ties, taken, tie_base, key_row, KEYS)
         else:
-            taken, _ = _write_columns(out_row, key, (packed & 0xFFFFFFFF).to(tl.int32), threshold, ties, 0, 0)
+            taken, _ = _write_columns(out_row, key, (packed & 0xFFFFFFFF).to(tl.int32), threshold, ties, 0, 0, key_row,
+                                      KEYS)
     return taken
 
 
@@ -599,18 +606,21 @@ def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, cod
                                 candidates: torch.Tensor, rows: torch.Tensor | None, heads: torch.Tensor | None,
                                 selectable: torch.Tensor, top: int = 0, *, ascending: bool = False,
                                 num_warps: int | None = None, max_registers: int | None = None,
-                                score_tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                score_tile: int | None = None, keys: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `label_topk.candidate_label_walk` (``[A, H', C]`` int64: the walk's columns ascending, then
     NO_TOKEN; ``[A, H', top]``: the best `top` allowed candidates ascending, then NO_TOKEN), for rows ``[A]`` and heads
     ``[A or 1, H']`` index tensors: a program per (row, head) walking its ``C <= MAX_WALK_CANDIDATES`` candidates in
-    registers, scored there or in a launch before it (as `candidate_label_topk_triton`). `num_warps`,
-    `max_registers` and `score_tile` override the launches."""
+    registers, scored there or in a launch before it (as `candidate_label_topk_triton`), or, given their `keys`
+    (int32 ``[A * H', C_PAD]``, C_PAD = max(16, C's next power of two): the candidates' order-preserving score keys by
+    slot, INT32_MIN for none, as `label_topk_triton` writes them), not scored at all. `num_warps`, `max_registers`
+    and `score_tile` override the launches."""
     if codes.shape[2] >= (1 << COLUMN_BITS) - 1:
         raise ValueError(f"{codes.shape[2]} columns; accepted: fewer than {(1 << COLUMN_BITS) - 1} (the torch twin "
                          "takes more)")
     return _candidates(query, channels, codes, scale, zero, bits, candidates.shape[-1], candidates, rows, heads,
                        selectable, True, None, num_warps, ascending, top, max_registers=max_registers,
-                       score_tile=score_tile)
+                       score_tile=score_tile, keys=keys)
 
 
 def _launch_options(max_registers: int | None, codes: torch.Tensor) -> dict:
@@ -651,11 +661,13 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
                 zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor, rows: torch.Tensor | None,
                 heads: torch.Tensor | None, selectable: torch.Tensor | None, walk: bool, tile: int | None,
                 num_warps: int | None, ascending: bool = False, top: int = 0, out: torch.Tensor | None = None,
-                max_registers: int | None = None, score_tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                max_registers: int | None = None, score_tile: int | None = None, keys: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """A launch of `_label_candidates` (after one of `_label_candidate_scores` where the scoring is split:
     `score_tile` candidates a scoring program; None: `SCORE_TILE` where `split_scoring` says so, else 0, scored
-    in the top-k's program): ``[A, H', heavy]`` int64 (or, in place, the heads' entries of `out` ``[A, H_sel,
-    heavy]`` from every selection head's candidates ``[A, H_sel, C]``), and (`walk`) the best `top` candidates."""
+    in the top-k's program; given the candidates' `keys` ``[A * H', C_PAD]``, none): ``[A, H', heavy]`` int64 (or,
+    in place, the heads' entries of `out` ``[A, H_sel, heavy]`` from every selection head's candidates
+    ``[A, H_sel, C]``), and (`walk`) the best `top` candidates."""
     count, width = candidates.shape[0], candidates.shape[-1]
     by_head = out is not None
     n_heads = heads.shape[-1] if by_head else candidates.shape[1]
@@ -685,7 +697,11 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
                   GROUP=group, **flags, PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None,
                   C_PAD=pad, BY_HEAD=by_head)
     scratch = out  # a placeholder the top-k never reads, unless scored apart
-    if score_tile:
+    if keys is not None:  # scored already
+        if keys.dtype != torch.int32 or keys.shape != (programs, pad) or not keys.is_contiguous():
+            raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype}; accepted: contiguous int32 {(programs, pad)}")
+        scratch, score_tile = keys, 0
+    elif score_tile:
         scratch = torch.empty(programs, pad, dtype=torch.int32, device=codes.device)
         _label_candidate_scores[(programs, triton.cdiv(width, score_tile))](
             query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, scratch, codes.shape[2],
@@ -701,7 +717,8 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     _label_candidates[(programs,)](
         query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best, scratch,
         codes.shape[2], heavy, width, top, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
-        out.stride(1), **labels, TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, SCORED=bool(score_tile),
+        out.stride(1), **labels, TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending,
+        SCORED=bool(score_tile) or keys is not None,
         num_warps=num_warps or warps, **options, **pdl_options(codes.device),
     )
     return out, best
@@ -732,12 +749,16 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
                       window: torch.Tensor | None = None, selectable: torch.Tensor | None = None, *,
                       query: torch.Tensor | None = None, channels: torch.Tensor | None = None,
                       chunk: int | None = None, tile: int | None = None, num_warps: int | None = None,
-                      tail_warps: int | None = None, max_registers: int | None = None) -> torch.Tensor:
+                      tail_warps: int | None = None, max_registers: int | None = None,
+                      keys: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `label_topk.label_topk` (``[A, H', heavy]`` int64, ascending columns, then
     NO_TOKEN), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors (None: all, in order). Without
     `query_labels`, the labels are gathered in the kernel from the decode `query` ``[B, Hq, d]`` and the
-    heavy `channels` ``[P, H_sel, r]``. `chunk` (a power of two), `tile`, `num_warps`, `tail_warps` and
-    `max_registers` (a thread's register cap, every launch; 0: none) override the launch (tests, benchmark sweeps)."""
+    heavy `channels` ``[P, H_sel, r]``. With `keys` (int32 ``[A * H', >= heavy]``, unit column stride) each
+    row-head's row gets its columns' order-preserving score keys at their slots, INT32_MIN after them (what
+    `candidate_label_walk_triton` reads instead of scoring the columns again). `chunk` (a power of two), `tile`,
+    `num_warps`, `tail_warps` and `max_registers` (a thread's register cap, every launch; 0: none) override the
+    launch (tests, benchmark sweeps)."""
     n = codes.shape[2]
     count, n_heads = query_labels.shape[:2] if query_labels is not None else (query.shape[0], channels.shape[1])
     count = rows.shape[0] if rows is not None else count
@@ -746,6 +767,10 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=device)
     if heavy == 0 or count * n_heads == 0:
         return out
+    if keys is not None and (keys.dtype != torch.int32 or keys.shape[0] != count * n_heads or keys.shape[1] < heavy
+                             or keys.stride(1) != 1):
+        raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype} with strides {keys.stride()}; accepted: int32 "
+                         f"[{count * n_heads}, >= {heavy}] with a unit column stride")
     labels, query, channels, r, group, from_query = kernel_label_inputs(query_labels, query, channels)
     if not from_query:  # one row of labels per program
         labels = query = channels = labels.reshape(count * n_heads, r)
@@ -765,6 +790,7 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
         PER_ROW_CHANNELS=from_query and channels.shape[0] > 1, FROM_QUERY=from_query,
         HAS_WINDOW=has_window, HAS_MASK=has_mask, CHUNK_=size, LEVELS_=LEVELS, SKETCH_=SKETCH, TILE=tile,
     )
+    key_out, key_stride = (keys, keys.stride(0)) if keys is not None else (out, 0)
     warps = num_warps or max(4, min(16, size // 512))
     if max_registers is None and codes.is_cuda:
         max_registers = register_cap(LABEL_TOPK_PROGRAMS_PER_SM, bits, row_heads * chunks, num_sms(device))
@@ -772,8 +798,8 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     if chunks == 1:
         _label_topk_sketch[(row_heads, 1)](
             labels, query, channels, code_bytes, scale_t, zero_t, rows, heads, window_t, mask_t,
-            out, out, out, out, n, heavy, 0, *levels, *strides, SINGLE=True, num_warps=warps, **common, **options,
-            **pdl_options(out.device),
+            out, out, out, out, key_out, n, heavy, 0, key_stride, *levels, *strides, SINGLE=True, num_warps=warps,
+            KEYS=keys is not None, **common, **options, **pdl_options(out.device),
         )
         return out
     sketch = torch.empty(row_heads, chunks, SKETCH, dtype=torch.int32, device=device)
@@ -784,13 +810,14 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     cand = torch.empty(row_heads, cand_stride, dtype=torch.int64, device=device)
     _label_topk_sketch[(row_heads, chunks)](
         labels, query, channels, code_bytes, scale_t, zero_t, rows, heads, window_t, mask_t,
-        sketch, done, lists, out, n, heavy, chunk_cap, *levels, *strides, SINGLE=False, num_warps=warps, **common, **options,
-        **pdl_options(out.device),
+        sketch, done, lists, out, out, n, heavy, chunk_cap, 0, *levels, *strides, SINGLE=False, num_warps=warps,
+        **common, **options, **pdl_options(out.device),
     )
     _label_topk_select[(row_heads, chunks)](
-        sketch, done, lists, cand, out, heavy, chunk_cap, cand_stride,
+        sketch, done, lists, cand, out, key_out, heavy, chunk_cap, cand_stride, key_stride,
         CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), LEVELS_=LEVELS, SKETCH_=SKETCH, TILE=tile,
-        LIST_PAD=max(16, triton.next_power_of_2(chunk_cap)), num_warps=tail_warps or warps, **options,
+        LIST_PAD=max(16, triton.next_power_of_2(chunk_cap)), KEYS=keys is not None, num_warps=tail_warps or warps,
+        **options,
         **pdl_options(out.device),
     )
     return out

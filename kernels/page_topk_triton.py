@@ -102,7 +102,7 @@ def _page_heavy(
         keep = (in_page != 0) & (before < tl.load(takes + at, mask=at < P_PAD, other=0)[:, None])
         slot = tl.load(firsts + at, mask=at < P_PAD, other=0)[:, None] + before
         tl.store(out_row + slot, column.to(tl.int64), mask=keep)
-    _fill_empty(out_row, r, heavy, TILE)
+    _fill_empty(out_row, r, heavy, TILE, out_row, False)
 
 
 def page_heavy_triton(scores: torch.Tensor, selectable: torch.Tensor, shift: torch.Tensor, page_size: int,

@@ -82,7 +82,7 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
         top = tl.zeros((), tl.int32) + TOP
         best, ties = _exact_threshold(key, 1, best_out, 0, top, lo, given_count, hi,
                                       _first_value(mean, std, tl.maximum(given_count, 1), top - 0.5), False, K_P)
-        taken, _ = _write_columns(best_out, key, columns, best, ties, 0, 0)  # not given: INT32_MIN, never taken
+        taken, _ = _write_columns(best_out, key, columns, best, ties, 0, 0, best_out, False)  # not given: never taken
         tl.store(best_out + i, tl.full([K_P], -1, tl.int64), mask=(i >= taken) & (i < TOP))
 
 

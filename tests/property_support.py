@@ -534,27 +534,29 @@ class SelectionSpy:
             return out
 
         import hshare.labels as labels
-        from hshare.kernels import candidate_label_scores
+        from hshare.kernels import decode_label_scores, decode_label_topk
 
-        original_label_walk = labels.candidate_label_walk
+        original_selection_walk = labels.decode_label_topk_walk
 
-        def label_walk(query, channels, codes, scale, zero, bits, candidates, selectable, rows=None, heads=None, *,
-                       top=0, ascending=False):
-            if ascending:  # the caller's promise: each list ascending, negative entries after the columns
-                real = candidates >= 0
-                assert not bool((~real[..., :-1] & real[..., 1:]).any()), "a column after a negative entry"
-                assert not bool((real[..., 1:] & (candidates[..., 1:] <= candidates[..., :-1])).any()), \
-                    "candidates promised ascending are not"
-            out = original_label_walk(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads,
-                                      top=top, ascending=ascending)
+        def selection_walk(query, channels, codes, scale, zero, bits, count, selectable, rows=None, heads=None, *,
+                           top=0):
+            out = original_selection_walk(query, channels, codes, scale, zero, bits, count, selectable, rows, heads,
+                                          top=top)
             assert spy.successors, "successors walked without SharingConfig.successors"
             spy.walk_calls += 1
-            scores = candidate_label_scores(query, channels, codes, scale, zero, bits, candidates, rows, heads)
-            check_successor_walk(candidates.cpu(), scores.cpu(), selectable.cpu(), (out[0].cpu(), out[1].cpu()))
+            spy.select_calls += 1
+            # the walk of the top C columns by label scores: the top C checked on every column's scores, their walk
+            # against the brute-force walk
+            columns = decode_label_topk(query, channels, codes, scale, zero, bits, count, None, selectable, rows,
+                                        heads)
+            scores = decode_label_scores(query, channels, codes, scale, zero, bits, rows, heads).cpu().double()
+            check_top_k(scores, selectable[:, None].expand(-1, scores.shape[1], -1).cpu(), count, columns.cpu())
+            check_successor_walk(columns.cpu(), scores.gather(-1, columns.clamp(min=0).cpu()), selectable.cpu(),
+                                 (out[0].cpu(), out[1].cpu()))
             return out
 
         self._stack.enter_context(mock.patch.object(policy, "with_successors", walk))
-        self._stack.enter_context(mock.patch.object(labels, "candidate_label_walk", label_walk))
+        self._stack.enter_context(mock.patch.object(labels, "decode_label_topk_walk", selection_walk))
         self._stack.enter_context(mock.patch.object(RowWindows, "critical_indices", critical))
         self._stack.enter_context(mock.patch.object(policy, "select_heavy", select))
         self._stack.enter_context(mock.patch.object(refine, "select_heavy", select))  # candidates, refinements
@@ -679,14 +681,13 @@ def expected_stats(config, spec: ModelSpec, batch: int, steps: int, own_valid, f
         counts["refinements"] += refinements
         if config.policy.name == "quest":  # refinements score every page (no candidate-only scores)
             counts["scored_pages"] += (scorings + refinements) * pages_for(own_width + s, config.policy.page_size)
-        elif by_keys:  # every head's C candidates ranked by their keys; with successors the walk ranks them by labels
-            again = candidates if config.sharing.successors else 0
-            counts["scored_tokens"] += scorings * (own_width + s + again)
+        elif by_keys:  # every head's C candidates ranked by their keys (with successors the walk takes the labels'
+            # scores of the selection)
+            counts["scored_tokens"] += scorings * (own_width + s)
             counts["scored_keys"] += (scorings + refinements) * candidates
-        else:  # a scoring scores every column, then (with candidates) its C candidates again, or (with
-            # successors, a policy scoring candidates alone) its top C or heavy again to rank them
-            again = (candidates or config.budget.heavy) if config.sharing.successors and config.policy.name == "labels" \
-                else candidates
+        else:  # a scoring scores every column, then (with candidates) its C candidates again; with successors the
+            # label policy's walk takes the selection's own scores of its top C or heavy (none scored again)
+            again = 0 if config.sharing.successors and config.policy.name == "labels" else candidates
             counts["scored_tokens"] += scorings * (own_width + s + again) + refinements * candidates
     if n_sparse and steps and config.sharing.shares_layers_or_heads:
         counts["plans"] = 1

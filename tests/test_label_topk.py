@@ -551,3 +551,110 @@ def test_wide_candidate_sets_go_to_the_twin_with_a_warning(monkeypatch):
     assert torch.equal(got, module.candidate_label_topk_torch(query, channels, codes, scale, zero, 8, 5, candidates,
                                                               selectable))
     assert launched == [68]
+
+
+# --- a selection with successors, scored once (`decode_label_topk_walk`) ------------------------------------
+
+
+def walk_selection_case(bits, dtype, n, seed):
+    """GQA decode query with per-row channels, chosen rows and heads and a window with runs of adjacent columns (so
+    that the walk takes, gives and refuses successors)."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, sel_heads, q_heads, r, dim = 3, 2, 4, 8, 16
+    codes, scale, zero = label_cache(batch, sel_heads, n, r, bits, dtype, seed=seed)
+    query = torch.randn(batch, q_heads, dim, generator=generator).to(DEVICE)
+    channels = torch.stack([torch.randperm(dim, generator=generator)[:r] for _ in range(batch * sel_heads)])
+    channels = channels.reshape(batch, sel_heads, r).to(DEVICE)
+    rows = torch.tensor([2, 0], device=DEVICE)
+    heads = torch.tensor([[1, 0], [0, 1]], device=DEVICE)
+    selectable = torch.rand(2, n, generator=generator).to(DEVICE) < 0.7
+    selectable[0, n // 3:n // 3 + 9] = True
+    selectable[1, :5] = False  # a sink-like gap
+    return query, channels, codes, scale, zero, rows, heads, selectable
+
+
+def test_selection_walk_twin_is_the_top_k_then_its_walk():
+    """The twin of `decode_label_topk_walk` is `decode_label_topk_torch` of C columns, then
+    `candidate_label_walk_torch` of them (which scores them again): the same columns, the best `top` too."""
+    from hshare.kernels.label_topk import candidate_label_walk_torch, decode_label_topk_walk_torch
+
+    for bits, count, top in ((4, 24, 6), (8, 40, 0), (16, 7, 3)):
+        query, channels, codes, scale, zero, rows, heads, selectable = walk_selection_case(bits, torch.float32, 90, 4)
+        got = decode_label_topk_walk_torch(query, channels, codes, scale, zero, bits, count, selectable, rows, heads,
+                                           top)
+        columns = decode_label_topk_torch(query, channels, codes, scale, zero, bits, count, None, selectable, rows,
+                                          heads)
+        want = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, columns, selectable, rows, heads,
+                                          top)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("n,chunk,tile", [(120, None, None), (300, 64, 16), (300, 64, None)])
+def test_label_topk_writes_its_columns_keys(n, chunk, tile):
+    """With `keys`, the label top-k (one chunk; several, its last program's candidates in registers or in tiles
+    read again) writes each chosen column's order-preserving score key at the column's slot, INT32_MIN after
+    them; the columns are those it writes without."""
+    triton_or_skip()
+    from hshare.kernels.label_topk import score_keys_torch
+
+    bits, heavy = 4, 33
+    query, channels, codes, scale, zero, rows, heads, selectable = walk_selection_case(bits, torch.float32, n, 6)
+    selectable[1, 40:] = False  # a short window: fewer than heavy columns
+    keys = torch.full((4, 48), 7, dtype=torch.int32, device=DEVICE)  # wider than heavy: the rest untouched
+    got = run_triton(None, codes, scale, zero, bits, heavy, rows, heads, None, selectable, query=query,
+                     channels=channels, chunk=chunk, tile=tile, keys=keys)
+    assert torch.equal(got, run_triton(None, codes, scale, zero, bits, heavy, rows, heads, None, selectable,
+                                       query=query, channels=channels, chunk=chunk, tile=tile))
+    labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
+    scores = brute_force_scores(labels, codes, scale, zero, bits, rows, heads).gather(-1, got.clamp(min=0))
+    chosen = (got >= 0).reshape(4, heavy)
+    assert bool((got[1, 0] == NO_TOKEN).any())  # the short window's fill
+    written = keys[:, :heavy]
+    assert torch.equal(written == -2**31, ~chosen)  # a key at every chosen column's slot, none after
+    values = torch.where(written >= 0, written, written ^ 0x7FFFFFFF).view(torch.float32)  # the keys' scores
+    torch.testing.assert_close(values[chosen].double(), scores.reshape(4, heavy)[chosen], rtol=1e-5, atol=1e-5)
+    assert torch.equal(keys[:, :heavy][chosen], score_keys_torch(values)[chosen])
+    assert bool((keys[:, heavy:] == 7).all())
+    with pytest.raises(ValueError, match="keys"):
+        run_triton(None, codes, scale, zero, bits, heavy, rows, heads, None, selectable, query=query,
+                   channels=channels, keys=keys[:, :heavy - 1])
+
+
+@pytest.mark.parametrize("bits,dtype,n", [(4, torch.bfloat16, 100), (8, torch.float16, 300), (16, torch.float32, 100)])
+def test_selection_walk_triton_matches_twin(monkeypatch, bits, dtype, n):
+    """`decode_label_topk_walk` on the kernels (the walk reading the top-k's keys, nothing scored twice) against
+    its twin, one chunk and several (chunks of 64 at 300 columns)."""
+    triton_or_skip()
+    import importlib
+
+    from hshare.kernels import label_topk_triton
+    from hshare.kernels.label_topk import decode_label_topk_walk_torch
+
+    module = importlib.import_module("hshare.kernels.label_topk")
+    monkeypatch.setattr(module, "use_triton", lambda tensor: True)  # as on CUDA
+    if n > 100:
+        monkeypatch.setattr(label_topk_triton, "CHUNK", 64)
+    walks = []  # each walk launch's SCORED: it reads keys, it does not score
+    kernel = label_topk_triton._label_candidates
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                walks.append(kwargs["SCORED"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(label_topk_triton, "_label_candidates", Recorder())
+    monkeypatch.setattr(label_topk_triton, "_label_candidate_scores", None)  # no scoring launch either
+    query, channels, codes, scale, zero, rows, heads, selectable = walk_selection_case(bits, dtype, n, 8)
+    for count, top in ((24, 6), (40, 0)):
+        got = module.decode_label_topk_walk(query, channels, codes, scale, zero, bits, count, selectable, rows, heads,
+                                            top=top)
+        want = decode_label_topk_walk_torch(query, channels, codes, scale, zero, bits, count, selectable, rows, heads,
+                                            top)
+        assert got[0].shape == (2, 2, count) and got[1].shape == (2, 2, top)
+        if DEVICE == "cpu":
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+        else:  # scores round differently: the contract (a walk of a top-C set)
+            assert torch.equal((got[0] >= 0).sum(-1), (want[0] >= 0).sum(-1))
+    assert walks == [True, True]  # the walks read the top-k's keys: no column scored twice

@@ -646,11 +646,14 @@ def test_static_shape_decode_equals_eager_decode(scenario):
             if static.config.policy.name == "quest":  # every reserved page slot
                 assert ours.scored_pages == ours.score_computations * pages_for(static.reserve, static.config.policy.page_size)
             else:  # every reserved slot, and (a policy scoring candidates alone) a scoring's C candidates or
-                # with successors its top C or heavy again, a refinement's C candidates
+                # with successors its top C or heavy again (not the label policy: its walk takes the selection's
+                # own scores), a refinement's C candidates
                 config = static.config
                 count, scores_candidates = config.candidate_count, policy_class(config.policy.name).scores_candidates
                 again = ((count or config.budget.heavy) if config.sharing.successors else count) \
                     if scores_candidates else 0
+                if config.sharing.successors and config.policy.name == "labels":
+                    again = 0
                 refined = count if scores_candidates else static.reserve
                 if config.sharing.refine_by == "keys":  # C key rows a scoring and a refinement instead (the walk's
                     # ranking of a scoring's C stays on the labels)
