@@ -93,8 +93,10 @@ def compile_all(records: dict) -> list[str]:
         for spec in specs.values():
             signature, constants = {}, {}
             for param in fn.params:
-                if param.name not in spec["arguments"]:
-                    continue  # a defaulted argument left out
+                if param.name not in spec["arguments"]:  # a defaulted argument left out: a constexpr takes its
+                    if param.is_constexpr and param.has_default:  # default, as a launch does
+                        signature[param.name], constants[param.name] = "constexpr", param.default
+                    continue
                 given = spec["arguments"][param.name]
                 if param.name in constexpr or given["type"] is None:  # a constexpr, or None passed to a plain one
                     signature[param.name] = "constexpr"
