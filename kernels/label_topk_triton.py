@@ -1,9 +1,9 @@
 """Triton fused label scoring + heavy top-k: the twin of `label_topk.label_topk_torch`.
 
 A selection step's top-`heavy` columns of each (row, source head) straight from the label cache: the
-``[A, H, n]`` scores are never written. Columns are cut into chunks (`CHUNK`, more for rows longer
-than `MAX_CHUNKS` chunks); a chunk's scores exist only in the registers of the program that computed
-them. Scores are compared as order-preserving int32 *keys* (`key_search_triton`); a column outside the
+``[A, H, n]`` scores are never written. A row of at most `CHUNK` columns (of 4-bit labels, `SINGLE_CHUNK`) is one
+chunk; a longer one is cut into chunks (`CHUNK`, more for rows longer than `MAX_CHUNKS` chunks; `chunk_size`); a chunk's scores exist only in
+the registers of the program that computed them. Scores are compared as order-preserving int32 *keys* (`key_search_triton`); a column outside the
 window, unselectable or scored non-finite has no key (``INT32_MIN``, never counted).
 
 The search for an exact r-th key is `key_search_triton._exact_threshold`.
@@ -64,7 +64,8 @@ from .labels_triton import _label_scores, kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
-CHUNK = 4096  # columns per program (and the longest row done in one launch)
+SINGLE_CHUNK = 8192  # the longest row one program scores and selects (one launch)
+CHUNK = 4096  # columns per program of a longer row
 MAX_CHUNKS = 64  # longer rows take longer chunks (the bound L compares every sketch key with every chunk's)
 TAIL_TILE = 4096  # candidates per tile of the last program's search and writes, at least (`tail_tile`)
 MAX_TAIL_TILE = 8192  # at most: a wider register tile is not measured
@@ -641,6 +642,17 @@ def candidate_register_cap(walk: bool, slots: int, bits: int, programs: int, sms
     return register_cap(CANDIDATE_PROGRAMS_PER_SM.get((walk, slots)), bits, programs, sms)
 
 
+def chunk_size(n: int, bits: int) -> int:
+    """Columns a program of the label top-k scores, for rows of `n` columns of `bits`-bit labels: the whole row (a
+    power of two, at least 16) up to `CHUNK`, and over 4-bit labels up to `SINGLE_CHUNK`: one launch; beyond, `CHUNK`
+    (more where the row would take over `MAX_CHUNKS`). A row a little longer than `CHUNK` (a 4k prompt's cache) is
+    then one program of 16 warps, not two chunks and the select's launch: 30-40% faster from 4,160 to 6,144 columns
+    over 4-bit labels (`benchmarks/RESULTS.md`; wider labels are not measured there)."""
+    if n <= (SINGLE_CHUNK if bits == 4 else CHUNK):
+        return max(16, triton.next_power_of_2(n))
+    return max(CHUNK, triton.next_power_of_2(triton.cdiv(n, MAX_CHUNKS)))
+
+
 def tail_tile(heavy: int) -> int:
     """Candidates a tile of a label top-k's last program holds: twice `heavy` (its candidates, the keys >= the bound
     L, number from heavy to about twice as many), at least `TAIL_TILE` and at most `MAX_TAIL_TILE`. Where they fit
@@ -779,8 +791,7 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     has_window, has_mask = window is not None, selectable is not None
     window_t = window if not has_window or window.is_contiguous() else window.contiguous()
     window_t = window_t if has_window else rows
-    size = chunk or max(min(CHUNK, max(16, triton.next_power_of_2(n))),
-                        triton.next_power_of_2(triton.cdiv(n, MAX_CHUNKS)))
+    size = chunk or chunk_size(n, bits)
     chunks = triton.cdiv(n, size)
     tile = tile or tail_tile(heavy)
     row_heads = count * n_heads

@@ -286,6 +286,17 @@ def test_candidate_register_cap_by_hand():
     assert candidate_register_cap(False, 2048, 8, 512, 132) is None
 
 
+def test_chunk_size_by_hand():
+    """A row is one program up to 4,096 columns, over 4-bit labels up to 8,192 (a 4k prompt's cache one launch);
+    longer rows take chunks of 4,096, more where they would take over 64."""
+    pytest.importorskip("triton")
+    from hshare.kernels.label_topk_triton import chunk_size
+
+    assert [chunk_size(n, 4) for n in (5, 300, 4096, 4097, 4352, 8192)] == [16, 512, 4096, 8192, 8192, 8192]
+    assert [chunk_size(n, bits) for n in (4097, 8192) for bits in (8, 16)] == [4096] * 4
+    assert [chunk_size(n, 4) for n in (8193, 32768, 262144, 262145)] == [4096, 4096, 4096, 8192]
+
+
 def test_tail_tile_by_hand():
     """A label top-k's last program holds twice heavy candidates a tile, 4,096 to 8,192: the presets' heavy up to
     N_c 1024 in one tile of 4,096, the 3,776 candidates of `candidates=4` at N_c 1024 in one of 8,192."""
@@ -634,6 +645,7 @@ def test_selection_walk_triton_matches_twin(monkeypatch, bits, dtype, n):
     monkeypatch.setattr(module, "use_triton", lambda tensor: True)  # as on CUDA
     if n > 100:
         monkeypatch.setattr(label_topk_triton, "CHUNK", 64)
+        monkeypatch.setattr(label_topk_triton, "SINGLE_CHUNK", 64)
     walks = []  # each walk launch's SCORED: it reads keys, it does not score
     kernel = label_topk_triton._label_candidates
 
