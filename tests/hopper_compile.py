@@ -6,7 +6,8 @@ all pass there and fail at the first launch on a GPU. This catches them on a mac
 
 1. Record: run tests with ``HSHARE_RECORD_KERNELS=<file>`` set (`tests/conftest.py` wraps the interpreter's
    launch and writes, when the session ends, each kernel's distinct specializations: argument types,
-   constexpr values and launch options; a few per kernel).
+   constexpr values and launch options: the first `PER_KERNEL`, then up to `MAX_PER_KERNEL` those that bring a
+   constexpr value or launch option not kept yet, so that a path few tests take is compiled too).
 2. Compile: ``python tests/hopper_compile.py <file>`` (without ``TRITON_INTERPRET``) builds each one for
    ``GPUTarget("cuda", 90, 32)`` down to a cubin (Triton bundles ptxas; no GPU, no driver) and exits 1 naming
    every kernel that does not compile. A kernel that takes a ``PDL`` constexpr is built as a decode step
@@ -24,7 +25,8 @@ import os
 import sys
 from typing import Any
 
-PER_KERNEL = 8  # distinct specializations kept per kernel (the first met)
+PER_KERNEL = 8  # distinct specializations kept per kernel: the first met,
+MAX_PER_KERNEL = 32  # then, up to this many, each that brings a constexpr value or launch option not yet kept
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64",
            "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
@@ -51,6 +53,7 @@ def install_recorder(records: dict, module_prefix: str) -> None:
 
     launch = InterpretedFunction.run
     constexprs_of: dict = {}  # kernel -> its constexpr parameters
+    covered: dict = {}  # kernel -> the (constexpr or launch option, value) pairs of its kept specializations
 
     def run(self, *args, grid, warmup, **kwargs):
         fn = self.fn
@@ -70,9 +73,13 @@ def install_recorder(records: dict, module_prefix: str) -> None:
         key = json.dumps({name: arg if name in constexprs or "value" not in arg else arg["type"]
                           for name, arg in spec["arguments"].items()} | {"options": spec["options"]},
                          sort_keys=True, default=repr)
-        kernel = records.setdefault(f"{fn.__module__}:{fn.__name__}", {})
-        if key not in kernel and len(kernel) < PER_KERNEL:
+        name = f"{fn.__module__}:{fn.__name__}"
+        kernel, seen = records.setdefault(name, {}), covered.setdefault(name, set())
+        pairs = {(k, json.dumps(arg.get("value"), default=repr)) for k, arg in spec["arguments"].items()
+                 if k in constexprs} | {(k, json.dumps(v)) for k, v in spec["options"].items()}
+        if key not in kernel and (len(kernel) < PER_KERNEL or (len(kernel) < MAX_PER_KERNEL and not pairs <= seen)):
             kernel[key] = spec
+            seen |= pairs
         return launch(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run

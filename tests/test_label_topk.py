@@ -297,6 +297,24 @@ def test_chunk_size_by_hand():
     assert [chunk_size(n, 4) for n in (8193, 32768, 262144, 262145)] == [4096, 4096, 4096, 8192]
 
 
+def test_a_4k_prompts_cache_is_one_program(monkeypatch):
+    """A row a little past 4,096 columns of 4-bit labels (a 4k prompt and its new tokens) is selected by one program:
+    no select launch, the twin's columns (and the keys it writes)."""
+    triton_or_skip()
+    from hshare.kernels import label_topk_triton
+
+    monkeypatch.setattr(label_topk_triton, "_label_topk_select", None)  # a second launch would fail
+    n, heavy = 4160, 300
+    query, channels, codes, scale, zero, rows, heads, selectable = walk_selection_case(4, torch.float32, n, 12)
+    rows, heads, selectable = rows[:1], heads[:1, :1], selectable[:1]
+    got = run_triton(None, codes, scale, zero, 4, heavy, rows, heads, None, selectable, query=query, channels=channels)
+    want = decode_label_topk_torch(query, channels, codes, scale, zero, 4, heavy, None, selectable, rows, heads)
+    labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
+    check_selection(got, brute_force_scores(labels, codes, scale, zero, 4, rows, heads), selectable, heavy, tol=1e-4)
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+
+
 def test_tail_tile_by_hand():
     """A label top-k's last program holds twice heavy candidates a tile, 4,096 to 8,192: the presets' heavy up to
     N_c 1024 in one tile of 4,096, the 3,776 candidates of `candidates=4` at N_c 1024 in one of 8,192."""
