@@ -8,7 +8,7 @@ and with ``--sequence`` the last step's kernels in the order they ran; writes JS
 
 ``--prefill``: the prefill instead (a ``generate`` of 1 new token), with the GPU time inside each of
 hshare's prefill functions (`PREFILL_RANGES`: labels, dynamic channels, the planner's evidence),
-which is what a sparse preset adds to prefill (the target: at most 5%, `benchmarks/RESULTS.md`).
+which is what a sparse preset adds to prefill (its target: `benchmarks/RESULTS.md`).
 
 Run: ``python3 benchmarks/profile_decode.py --shape llama2-7b --layers 8 --batch 16 --prompt 4096 [--prefill]``.
 """

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .key_search_triton import _score_key
-from .label_topk_triton import MAX_CANDIDATES, _candidate_columns, index_operands, top_scored
+from .label_topk_triton import MAX_CANDIDATES, _candidate_columns, candidate_slots, index_operands, top_scored
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 TILE_C = 64  # candidates (key rows) a scoring program scores
@@ -87,7 +87,7 @@ def candidate_key_topk_triton(query: torch.Tensor, keys: torch.Tensor, heavy: in
     query = query if query.stride(-1) == 1 else query.contiguous()
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
     rows, heads, mask, s_hb, s_mb, flags = index_operands(rows, heads, selectable, count, keys)
-    pad = max(16, triton.next_power_of_2(width))
+    pad = candidate_slots(width)
     programs = count * n_heads
     scratch = torch.empty(programs, pad, dtype=torch.int32, device=keys.device)
     shape = dict(HEADS=n_heads, HEADS_INDEXED=flags["HEADS_INDEXED"], C_PAD=pad, BY_HEAD=by_head)

@@ -195,22 +195,13 @@ def decode_label_topk_walk(query: torch.Tensor, channels: torch.Tensor, codes: t
 
     Returns:
         ``(taken, best)``, ``[A, H', C]`` and ``[A, H', top]`` int64, as `candidate_label_walk` of the top C.
-        CUDA: `label_topk_triton.label_topk_triton` writing its columns' keys, then
-        `candidate_label_walk_triton` reading them (no label row read twice) up to ``MAX_WALK_CANDIDATES``; wider,
-        the twin (with a RuntimeWarning).
+        CUDA: `label_topk_triton.selection_walk_triton` (the top-k writes its columns' keys, the walk reads them: no
+        label row read twice) up to ``MAX_WALK_CANDIDATES``; wider, the twin (with a RuntimeWarning).
     """
     if _runs_triton(query, codes, bits, count, channels.shape[-1]) and _candidates_fit(count, True):
-        import triton
+        from .label_topk_triton import selection_walk_triton
 
-        from .label_topk_triton import candidate_label_walk_triton, label_topk_triton
-
-        row_heads = (query.shape[0] if rows is None else rows.shape[0]) * (
-            channels.shape[1] if heads is None else heads.shape[-1])
-        keys = torch.empty(row_heads, max(16, triton.next_power_of_2(count)), dtype=torch.int32, device=codes.device)
-        columns = label_topk_triton(None, codes, scale, zero, bits, count, rows, heads, None, selectable, query=query,
-                                    channels=channels, keys=keys)
-        return candidate_label_walk_triton(query, channels, codes, scale, zero, bits, columns, rows, heads,
-                                           selectable, top, ascending=True, keys=keys)
+        return selection_walk_triton(query, channels, codes, scale, zero, bits, count, rows, heads, selectable, top)
     return decode_label_topk_walk_torch(query, channels, codes, scale, zero, bits, count, selectable, rows, heads,
                                         top)
 

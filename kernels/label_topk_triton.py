@@ -2,9 +2,10 @@
 
 A selection step's top-`heavy` columns of each (row, source head) straight from the label cache: the
 ``[A, H, n]`` scores are never written. A row of at most `CHUNK` columns (of 4-bit labels, `SINGLE_CHUNK`) is one
-chunk; a longer one is cut into chunks (`CHUNK`, more for rows longer than `MAX_CHUNKS` chunks; `chunk_size`); a chunk's scores exist only in
-the registers of the program that computed them. Scores are compared as order-preserving int32 *keys* (`key_search_triton`); a column outside the
-window, unselectable or scored non-finite has no key (``INT32_MIN``, never counted).
+chunk; a longer one is cut into chunks (`CHUNK`, more for rows longer than `MAX_CHUNKS` chunks; `chunk_size`); a
+chunk's scores exist only in the registers of the program that computed them. Scores are compared as
+order-preserving int32 *keys* (`key_search_triton`); a column outside the window, unselectable or scored non-finite
+has no key (``INT32_MIN``, never counted).
 
 The search for an exact r-th key is `key_search_triton._exact_threshold`.
 
@@ -613,8 +614,8 @@ def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, cod
     NO_TOKEN; ``[A, H', top]``: the best `top` allowed candidates ascending, then NO_TOKEN), for rows ``[A]`` and heads
     ``[A or 1, H']`` index tensors: a program per (row, head) walking its ``C <= MAX_WALK_CANDIDATES`` candidates in
     registers, scored there or in a launch before it (as `candidate_label_topk_triton`), or, given their `keys`
-    (int32 ``[A * H', C_PAD]``, C_PAD = max(16, C's next power of two): the candidates' order-preserving score keys by
-    slot, INT32_MIN for none, as `label_topk_triton` writes them), not scored at all. `num_warps`, `max_registers`
+    (int32 ``[A * H', candidate_slots(C)]``: the candidates' order-preserving score keys by slot, INT32_MIN for none,
+    as `label_topk_triton` writes them), not scored at all. `num_warps`, `max_registers`
     and `score_tile` override the launches."""
     if codes.shape[2] >= (1 << COLUMN_BITS) - 1:
         raise ValueError(f"{codes.shape[2]} columns; accepted: fewer than {(1 << COLUMN_BITS) - 1} (the torch twin "
@@ -622,6 +623,22 @@ def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, cod
     return _candidates(query, channels, codes, scale, zero, bits, candidates.shape[-1], candidates, rows, heads,
                        selectable, True, None, num_warps, ascending, top, max_registers=max_registers,
                        score_tile=score_tile, keys=keys)
+
+
+def selection_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
+                          zero: torch.Tensor | None, bits: int, count: int, rows: torch.Tensor | None,
+                          heads: torch.Tensor | None, selectable: torch.Tensor, top: int = 0
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `label_topk.decode_label_topk_walk` (``count <= MAX_WALK_CANDIDATES``): `label_topk_triton`
+    of `count` columns writing their keys, then `candidate_label_walk_triton` reading them (no label row scored
+    twice)."""
+    row_heads = (query.shape[0] if rows is None else rows.shape[0]) * (
+        channels.shape[1] if heads is None else heads.shape[-1])
+    keys = torch.empty(row_heads, candidate_slots(count), dtype=torch.int32, device=codes.device)
+    columns = label_topk_triton(None, codes, scale, zero, bits, count, rows, heads, None, selectable, query=query,
+                                channels=channels, keys=keys)
+    return candidate_label_walk_triton(query, channels, codes, scale, zero, bits, columns, rows, heads, selectable,
+                                       top, ascending=True, keys=keys)
 
 
 def _launch_options(max_registers: int | None, codes: torch.Tensor) -> dict:
@@ -642,12 +659,18 @@ def candidate_register_cap(walk: bool, slots: int, bits: int, programs: int, sms
     return register_cap(CANDIDATE_PROGRAMS_PER_SM.get((walk, slots)), bits, programs, sms)
 
 
+def candidate_slots(width: int) -> int:
+    """Slots of a row-head's candidate row in the candidate kernels' registers and scratch: `width`'s next power of
+    two, at least 16."""
+    return max(16, triton.next_power_of_2(width))
+
+
 def chunk_size(n: int, bits: int) -> int:
     """Columns a program of the label top-k scores, for rows of `n` columns of `bits`-bit labels: the whole row (a
     power of two, at least 16) up to `CHUNK`, and over 4-bit labels up to `SINGLE_CHUNK`: one launch; beyond, `CHUNK`
     (more where the row would take over `MAX_CHUNKS`). A row a little longer than `CHUNK` (a 4k prompt's cache) is
-    then one program of 16 warps, not two chunks and the select's launch: 30-40% faster from 4,160 to 6,144 columns
-    over 4-bit labels (`benchmarks/RESULTS.md`; wider labels are not measured there)."""
+    then one program of 16 warps instead of two chunks and the select's launch (measured over 4-bit labels only:
+    `benchmarks/RESULTS.md`)."""
     if n <= (SINGLE_CHUNK if bits == 4 else CHUNK):
         return max(16, triton.next_power_of_2(n))
     return max(CHUNK, triton.next_power_of_2(triton.cdiv(n, MAX_CHUNKS)))
@@ -701,7 +724,7 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
         query, channels, codes, scale, zero, bits, r, rows, heads, selectable, count)
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
     programs = count * n_heads
-    pad = max(16, triton.next_power_of_2(width))
+    pad = candidate_slots(width)
     if score_tile is None:
         score_tile = SCORE_TILE if codes.is_cuda and split_scoring(programs, num_sms(codes.device), walk) else 0
     score_tile = min(score_tile, pad)
