@@ -1,8 +1,8 @@
 """Triton fused label scoring + heavy top-k: the twin of `label_topk.label_topk_torch`.
 
 A selection step's top-`heavy` columns of each (row, source head) straight from the label cache: the
-``[A, H, n]`` scores are never written. A row of at most `CHUNK` columns (of 4-bit labels, `SINGLE_CHUNK`) is one
-chunk; a longer one is cut into chunks (`CHUNK`, more for rows longer than `MAX_CHUNKS` chunks; `chunk_size`); a
+``[A, H, n]`` scores are never written. A row of at most `CHUNK` columns (of 4- and 8-bit labels, `SINGLE_CHUNK`) is
+one chunk; a longer one is cut into chunks (`CHUNK`, more for rows longer than `MAX_CHUNKS` chunks; `chunk_size`); a
 chunk's scores exist only in the registers of the program that computed them. Scores are compared as
 order-preserving int32 *keys* (`key_search_triton`); a column outside the window, unselectable or scored non-finite
 has no key (``INT32_MIN``, never counted).
@@ -65,7 +65,7 @@ from .labels_triton import _label_scores, kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
-SINGLE_CHUNK = 8192  # the longest row one program scores and selects (one launch)
+SINGLE_CHUNK = 8192  # the longest row of 4- or 8-bit labels one program scores and selects (one launch)
 CHUNK = 4096  # columns per program of a longer row
 MAX_CHUNKS = 64  # longer rows take longer chunks (the bound L compares every sketch key with every chunk's)
 TAIL_TILE = 4096  # candidates per tile of the last program's search and writes, at least (`tail_tile`)
@@ -667,11 +667,11 @@ def candidate_slots(width: int) -> int:
 
 def chunk_size(n: int, bits: int) -> int:
     """Columns a program of the label top-k scores, for rows of `n` columns of `bits`-bit labels: the whole row (a
-    power of two, at least 16) up to `CHUNK`, and over 4-bit labels up to `SINGLE_CHUNK`: one launch; beyond, `CHUNK`
-    (more where the row would take over `MAX_CHUNKS`). A row a little longer than `CHUNK` (a 4k prompt's cache) is
-    then one program of 16 warps instead of two chunks and the select's launch (measured over 4-bit labels only:
-    `benchmarks/RESULTS.md`)."""
-    if n <= (SINGLE_CHUNK if bits == 4 else CHUNK):
+    power of two, at least 16), one launch, up to `CHUNK` columns, over 4- and 8-bit labels up to `SINGLE_CHUNK`;
+    beyond, `CHUNK` (more where the row would take over `MAX_CHUNKS`). So a 4k prompt's cache (a little past 4,096
+    columns) is one program of 16 warps instead of two chunks and the select's launch; an 8k prompt's stays in
+    chunks (a program of 16,384 columns was slower in the decode step: `benchmarks/RESULTS.md`)."""
+    if n <= (CHUNK if bits == 16 else SINGLE_CHUNK):
         return max(16, triton.next_power_of_2(n))
     return max(CHUNK, triton.next_power_of_2(triton.cdiv(n, MAX_CHUNKS)))
 

@@ -287,30 +287,47 @@ def test_candidate_register_cap_by_hand():
 
 
 def test_chunk_size_by_hand():
-    """A row is one program up to 4,096 columns, over 4-bit labels up to 8,192 (a 4k prompt's cache one launch);
-    longer rows take chunks of 4,096, more where they would take over 64."""
+    """A row is one program up to 4,096 columns, over 4- and 8-bit labels up to 8,192 (a 4k prompt's cache one
+    launch); 16-bit labels and longer rows take chunks of 4,096, more where they would take over 64."""
     pytest.importorskip("triton")
     from hshare.kernels.label_topk_triton import chunk_size
 
     assert [chunk_size(n, 4) for n in (5, 300, 4096, 4097, 4352, 8192)] == [16, 512, 4096, 8192, 8192, 8192]
-    assert [chunk_size(n, bits) for n in (4097, 8192) for bits in (8, 16)] == [4096] * 4
-    assert [chunk_size(n, 4) for n in (8193, 32768, 262144, 262145)] == [4096, 4096, 4096, 8192]
+    assert [chunk_size(n, 8) for n in (4097, 8192)] == [8192] * 2
+    assert [chunk_size(n, 16) for n in (4097, 8192)] == [4096] * 2
+    assert [chunk_size(n, 4) for n in (8193, 8256, 32768, 262144, 262145)] == [4096, 4096, 4096, 4096, 8192]
 
 
-def test_a_4k_prompts_cache_is_one_program(monkeypatch):
-    """A row a little past 4,096 columns of 4-bit labels (a 4k prompt and its new tokens) is selected by one program:
-    no select launch, the twin's columns (and the keys it writes)."""
+@pytest.mark.parametrize("bits, n, programs", [
+    (4, 4160, 1), (8, 4160, 1),  # a 4k prompt's cache: one program
+    (4, 8256, 3),  # an 8k prompt's: chunks of 4,096 and the select's launch
+    (16, 4160, 2),
+])
+def test_a_4k_prompts_cache_is_one_program(monkeypatch, bits, n, programs):
+    """A row a little past 4,096 columns of 4- or 8-bit labels (a 4k prompt and its new tokens) is selected by one
+    program, no select launch; 16-bit labels and an 8k prompt's cache take chunks and the select. The columns are
+    the twin's (and valid against brute force)."""
     triton_or_skip()
     from hshare.kernels import label_topk_triton
 
-    monkeypatch.setattr(label_topk_triton, "_label_topk_select", None)  # a second launch would fail
-    n, heavy = 4160, 300
-    query, channels, codes, scale, zero, rows, heads, selectable = walk_selection_case(4, torch.float32, n, 12)
-    rows, heads, selectable = rows[:1], heads[:1, :1], selectable[:1]
-    got = run_triton(None, codes, scale, zero, 4, heavy, rows, heads, None, selectable, query=query, channels=channels)
-    want = decode_label_topk_torch(query, channels, codes, scale, zero, 4, heavy, None, selectable, rows, heads)
+    chunks, select = [], label_topk_triton._label_topk_select
+
+    class Recorder:
+        def __getitem__(self, grid):
+            chunks.append(grid[1])
+            return select[grid]
+
+    monkeypatch.setattr(label_topk_triton, "_label_topk_select", Recorder())
+    heavy = 300
+    query, channels, codes, scale, zero, rows, heads, selectable = walk_selection_case(bits, torch.float32, n, 12)
+    rows, heads, selectable = rows[:1], heads[:1, :1], selectable[:1]  # one row-head
+    got = run_triton(None, codes, scale, zero, bits, heavy, rows, heads, None, selectable, query=query,
+                     channels=channels)
+    assert chunks == ([] if programs == 1 else [programs])
+    want = decode_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, None, selectable, rows, heads)
     labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
-    check_selection(got, brute_force_scores(labels, codes, scale, zero, 4, rows, heads), selectable, heavy, tol=1e-4)
+    check_selection(got, brute_force_scores(labels, codes, scale, zero, bits, rows, heads), selectable, heavy,
+                    tol=1e-4)
     if DEVICE == "cpu":
         assert torch.equal(got, want)
 
