@@ -466,8 +466,8 @@ def _select_candidates(out_row, packed, buf_ptr, span, bound, need, FROM_BUFFER:
     in `packed` ``[TILE]`` or (FROM_BUFFER) in ``buf[0:span)``: their columns written ascending (the
     candidates are in column order; KEYS: their keys at the same slots of `key_row`). Returns how many were
     written."""
-    shift = _key_value(bound)  # moments of the candidates' scores, about L
-    if FROM_BUFFER:
+    if FROM_BUFFER:  # the candidates' count, largest key and score moments about L, a tile at a time
+        shift = _key_value(bound)
         present = tl.zeros((TILE,), tl.int32)
         high = tl.full((TILE,), -2147483648, tl.int32)
         moment1 = tl.zeros((TILE,), tl.float32)
@@ -481,24 +481,21 @@ def _select_candidates(out_row, packed, buf_ptr, span, bound, need, FROM_BUFFER:
             centered = tl.where(real, _key_value((tile >> 32).to(tl.int32)) - shift, 0.0)
             moment1 += centered
             moment2 += centered * centered
+        count = tl.sum(present, 0)
+        largest = tl.max(high, 0)
+        centered_mean = tl.sum(moment1, 0) / tl.maximum(count, 1).to(tl.float32)
+        std = tl.sqrt(tl.maximum(tl.sum(moment2, 0) / tl.maximum(count, 1).to(tl.float32)
+                                 - centered_mean * centered_mean, 0.0))
+        mean = shift + centered_mean
         key = high  # a placeholder: the search reads the buffer
-    else:
-        real = packed != SENTINEL
+    else:  # held in registers: one reduction (`_key_stats`)
         key = (packed >> 32).to(tl.int32)
-        present = real.to(tl.int32)
-        high = key
-        centered = tl.where(real, _key_value(key) - shift, 0.0)
-        moment1 = centered
-        moment2 = centered * centered
-    count = tl.sum(present, 0)
+        count, _, largest, mean, std = _key_stats(key, packed != SENTINEL)
     r = tl.minimum(need, count)  # == need: the sketch proves need keys >= L
     taken = tl.zeros((), tl.int32)
     if r > 0:
-        mean = tl.sum(moment1, 0) / count.to(tl.float32)
-        std = tl.sqrt(tl.maximum(tl.sum(moment2, 0) / count.to(tl.float32) - mean * mean, 0.0))
-        first = shift + mean + std * _probit((r.to(tl.float32) - 0.5) / count.to(tl.float32))
-        threshold, ties = _exact_threshold(key, 1, buf_ptr, span, r, bound, count, tl.max(high, 0).to(tl.int64) + 1,
-                                           first, FROM_BUFFER, TILE)
+        threshold, ties = _exact_threshold(key, 1, buf_ptr, span, r, bound, count, largest.to(tl.int64) + 1,
+                                           _first_value(mean, std, count, r - 0.5), FROM_BUFFER, TILE)
         if FROM_BUFFER:
             tie_base = tl.zeros((), tl.int32)
             for t in range(0, span, TILE):
