@@ -49,6 +49,13 @@
 #              {1k, 4k, 16k, 32k, 128k}, MHA then GQA, dense against 1/2-1/2-1/2@512 and @2048 with the fallback
 #              off, and what the default rule runs; 32 new tokens timed per step. GRID_PATHS overrides the paths.
 #              Run it in a call of its own (with `long` it exceeds a 10-minute command)
+#   ab         an A/B of this checkout against another commit, each timed in processes of its own, alternating
+#              (base first): the commit's tree in AB_BASE (default .ab-base, made here by `git archive REV | tar -x -C
+#              .ab-base` and carried), installed apart (pip --target, no dependencies); AB_ARGS the arguments of
+#              `python3 -m hshare.bench.grid` (default: Llama-2-7B shape B16 x 4k, 32 new tokens, two rounds, ds@512),
+#              AB_ROUNDS processes a side (default 2) of at most AB_SECONDS (default 150); JSON in $OUT/ab_base_K/ and
+#              ab_new_K/, the table (`benchmarks/ab_table.py`) in $OUT/ab.md. A kernel's timing alone can mislead
+#              (`benchmarks/RESULTS.md`, "The label top-k in one program in the decode step"): the decode step decides
 #   gridquest  the same crossover for Quest (Llama-3-8B shape, rows {1, 4, 16} x prompts {4k, 16k, 32k, 128k}): dense
 #              against quest@1024 with the fallback off, and what the default rule runs (a run of at most 300 s);
 #              QUEST_GRID_PATHS, QUEST_GRID_SHAPE (e.g. llama2-7b for MHA), QUEST_GRID_ROWS and QUEST_GRID_PROMPTS
@@ -166,6 +173,22 @@ one_gpu_part() {
     refine32k)
       grid 300 --shapes llama3-8b --rows 4 --prompts 32k --new-tokens 64 --padded --name refine_b4_p32k \
         --paths "${REFINE32K_PATHS:-$HS@1024,hshare-refine@1024,hshare-refine@1024+candidates=4,quest@1024}" ;;
+    ab)
+      local base=${AB_BASE:-.ab-base} k side site args
+      [ -f "$base/pyproject.toml" ] || { echo "ab: no tree in $base (git archive REV | tar -x -C $base; carry it)" >&2
+                                         return 2; }
+      python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/ab-base "$base" 2>&1 | tail -2
+      read -r -a args <<< "${AB_ARGS:---shapes llama2-7b --rows 16 --prompts 4k --new-tokens 32 --rounds 2 --paths ds@512}"
+      for k in $(seq "${AB_ROUNDS:-2}"); do
+        for side in base new; do
+          site=; [ "$side" = base ] && site=/tmp/ab-base
+          # from /tmp: the checkout's own package, first on the path of `python3 -m` run here, would hide the base's
+          (cd /tmp && PYTHONPATH=$site timeout "${AB_SECONDS:-150}" python3 -m hshare.bench.grid \
+            --out "$OUT/ab_${side}_$k" --time-limit "$((${AB_SECONDS:-150} - 40))" "${args[@]}" 2>&1 | grep -v Warning \
+            | tee -a "$OUT/ab.log" | tail -2)
+        done
+      done
+      python3 benchmarks/ab_table.py "$OUT" | tee "$OUT/ab.md" ;;
     refineplans)
       budget=hshare-refine-successors-c4@512+planner=auto+layer_sharing=1/8+head_sharing=1/3+share_scorings
       ROUNDS=2 grid 360 --shapes llama2-7b --rows 16 --prompts 4k --new-tokens 64 --name refine_plans_b16_p4k \
@@ -510,12 +533,12 @@ eval_part() {
 
 run_part() {
   case $1 in
-    suite|tests|selection|linear|crossover|refine32k|long32k|long128k|llama2|unfused|llama3|prefix|b8|prefill|profile|gather|topk|labelchunks|peak|long|grid|gridquest|candidates|refinetail|refineplans) one_gpu_part "$1" ;;
+    suite|tests|selection|linear|crossover|refine32k|long32k|long128k|llama2|unfused|llama3|prefix|b8|prefill|profile|gather|topk|labelchunks|peak|long|grid|gridquest|candidates|refinetail|refineplans|ab) one_gpu_part "$1" ;;
     tests2gpu|tp8b|one8b|tp70b|devmap|fallback0|table2gpu) two_gpu_part "$1" 2>&1 | tee "$OUT/$1.log" ;;
     setup|fidelity|gsm8k|multi_news|ablation|ruler|fidelity8k|evalcmd)
       eval_part "$1" 2>&1 | tee "$OUT/$1.log" ;;
     *)
-      echo "unknown part '$1'; accepted: suite tests selection crossover refine32k long32k long128k llama2 unfused llama3 prefix b8 prefill profile gather topk labelchunks peak candidates refinetail refineplans" \
+      echo "unknown part '$1'; accepted: suite tests selection crossover refine32k long32k long128k llama2 unfused llama3 prefix b8 prefill profile gather topk labelchunks peak candidates refinetail refineplans ab" \
         "long grid gridquest | tests2gpu tp8b one8b tp70b devmap fallback0 table2gpu | setup fidelity gsm8k multi_news" \
         "ablation ruler fidelity8k evalcmd" >&2
       return 2 ;;
