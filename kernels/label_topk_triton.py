@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from .key_search_triton import (SENTINEL, _exact_threshold, _fill_empty, _first_value, _key_stats, _key_value, _pivot,
-                                _probit, _score_key, _top_columns, _write_columns)
+                                _score_key, _top_columns, _write_columns)
 from .gather_attention_triton import num_sms
 from .labels_triton import _label_scores, kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
