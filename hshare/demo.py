@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 import hshare
+from hshare import compat
 from hshare.default_model import load_default_model
 
 DEMO_PRESETS = ("dense", "dense+prefix", "streaming", "ds", "hshare-7_8-3_4-1_2", "hshare-successors",
@@ -131,7 +132,7 @@ def run_preset(model, tokenizer, inputs, preset: str, new_tokens: int, bar) -> R
     cache = hshare.new_cache(model)
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, past_key_values=cache,
+        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, **{compat.CACHE_KWARG: cache},
                              pad_token_id=tokenizer.pad_token_id, logits_processor=LogitsProcessorList([_StepBar(bar)]))
     seconds = time.perf_counter() - start
     return RunResult(preset, out[:, inputs["input_ids"].shape[1]:], seconds, cache.kv_bytes(), cache.label_bytes(),

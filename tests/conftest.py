@@ -60,6 +60,15 @@ def letter_tokenizer(padding_side: str = "right"):
 WIDE = dict(sink=2, local=4, heavy=400)  # N_c above every context of these tests: a sparse config attends to all
 
 
+def cache_kwarg(cache) -> dict:
+    """`cache` as a keyword argument under the installed transformers' name (`hshare.compat.CACHE_KWARG`: ``cache``
+    from 5.24, ``past_key_values`` before), so that no call passes a deprecated name; hshare takes either spelling
+    (both tested in test_transformers_contract)."""
+    from hshare import compat
+
+    return {compat.CACHE_KWARG: cache}
+
+
 def generate_with_logits(model, ids, mask, new_tokens=10, **kwargs):
     """Greedy `generate` of exactly `new_tokens` tokens: ``(sequences, logits [B, new_tokens, vocab])``."""
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,

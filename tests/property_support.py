@@ -24,6 +24,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from hshare import compat
+
 NO_TOKEN = -1
 VOCAB = 160
 PAD = 0
@@ -577,7 +579,7 @@ def generate(model, ids, mask, new_tokens: int, cache=None):
     and the heavy top-k among exact ties is the order `topk` happens to return (not a property)."""
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          do_sample=False, pad_token_id=PAD, output_logits=True, return_dict_in_generate=True,
-                         past_key_values=cache, suppress_tokens=[PAD])
+                         **{compat.CACHE_KWARG: cache}, suppress_tokens=[PAD])
     return out.sequences, torch.stack(out.logits, 1)
 
 

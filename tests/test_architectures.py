@@ -16,8 +16,8 @@ import hshare
 from hshare.patches import ADAPTERS, ArchitectureAdapter, UnsupportedModelError, register
 from hshare.selection import NO_TOKEN
 
-from conftest import (VOCAB, WIDE, assert_rows_equal_alone, generate_with_logits, greedy, left_pad, left_padded,
-                      randomize_zeroed_weights)
+from conftest import (VOCAB, WIDE, assert_rows_equal_alone, cache_kwarg, generate_with_logits, greedy, left_pad,
+                      left_padded, randomize_zeroed_weights)
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12, far below the prompts used here
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -95,7 +95,7 @@ def test_padded_rows_equal_rows_alone(model_type, preset, overrides):
     ids, mask = left_padded(lengths, torch.Generator().manual_seed(12))
     with hshare.patched(model, preset, **overrides):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=6, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=6, **cache_kwarg(cache))
         assert cache.stats.sparse_steps == 5  # really sparse: N_c = 12 is below the rows' contexts
         assert_rows_equal_alone(model, ids, mask, lengths, new_tokens=12)
 
@@ -108,7 +108,7 @@ def test_shared_prefix_equals_unpatched(model_type):
     ref = generate_with_logits(model, ids, mask, new_tokens=8)
     with hshare.patched(model, "dense", prefix="on"):
         cache = hshare.new_cache(model)
-        assert_same(generate_with_logits(model, ids, mask, new_tokens=8, past_key_values=cache), ref)
+        assert_same(generate_with_logits(model, ids, mask, new_tokens=8, **cache_kwarg(cache)), ref)
     assert [level.width for level in cache.prefix.levels] == [30]
 
 
@@ -130,10 +130,10 @@ def test_cached_keys_are_the_models_keys(model_type):
     model = tiny(model_type)
     ids, mask = left_padded([19, 12], torch.Generator().manual_seed(15))
     reference = DynamicCache(config=model.config)
-    model(ids, attention_mask=mask, past_key_values=reference)
+    model(ids, attention_mask=mask, **cache_kwarg(reference))
     with hshare.patched(model, "ds", **SMALL):
         cache = hshare.new_cache(model)
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, **cache_kwarg(cache))
     for ours, theirs in zip(cache.layers, reference.layers):
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
 
@@ -150,7 +150,7 @@ def test_one_sliding_window_in_every_layer_is_respected(model_type):
             assert_same(generate_with_logits(model, ids, mask, new_tokens=8), ref)
     with hshare.patched(model, "hshare-1_2-1_2-1_2", sink=2, local=3, heavy=5):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=8, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=8, **cache_kwarg(cache))
     windows = cache.planner.current.windows
     assert windows.n_valid.tolist() == [24, 24]
     for layer in cache.layers:

@@ -10,7 +10,7 @@ import hshare.attention as attention_module
 from hshare.quest import pages_for
 from hshare.selection import valid_columns_from_mask
 
-from conftest import greedy, left_pad, left_padded, tiny_llama, tiny_mistral
+from conftest import cache_kwarg, greedy, left_pad, left_padded, tiny_llama, tiny_mistral
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12
 LENGTHS = [40, 27, 51]
@@ -23,7 +23,7 @@ def run(model, preset, lengths=LENGTHS, new_tokens=NEW, **overrides):
     ids, mask = left_padded(lengths, torch.Generator().manual_seed(1))
     with hshare.patched(model, preset, **overrides):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=new_tokens, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=new_tokens, **cache_kwarg(cache))
     return cache.stats
 
 
@@ -158,7 +158,7 @@ def test_shared_prefix_is_read_once_per_group(preset, overrides, own_budget):
     ids, mask, lengths = prefix_prompts(suffixes)
     with hshare.patched(model, preset, prefix="on", prefix_levels=1, **overrides):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=NEW, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=NEW, **cache_kwarg(cache))
     assert [level.width for level in cache.prefix.levels] == [20]
     stats = cache.stats
     own = lambda n: n if own_budget is None else min(own_budget, n)
@@ -173,7 +173,7 @@ def test_two_prefix_levels_counted_per_group():
     ids, mask, lengths = prefix_prompts(suffixes, groups)
     with hshare.patched(model, "dense", prefix="on", prefix_levels=2):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=NEW, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=NEW, **cache_kwarg(cache))
     levels = cache.prefix.levels
     assert len(levels) == 2 and levels[1].groups == 2
     shared = 0  # brute force: per level, each group that has rows, its valid tokens
@@ -193,7 +193,7 @@ def test_stats_are_plain_ints_read_from_device_counters():
     ids, mask = left_padded(LENGTHS)
     with hshare.patched(model, "ds", **SMALL):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=4, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=4, **cache_kwarg(cache))
     assert all(t.dtype == torch.int64 and t.shape == (3,) for t in cache.planner.work.work.values())
     first = cache.stats
     assert all(type(v) is int for v in dataclasses.asdict(first).values())

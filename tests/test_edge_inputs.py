@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hshare
 from hshare.config import ConfigError
 
-from conftest import VOCAB, WIDE, left_pad, left_padded, tiny_llama, tiny_mistral
+from conftest import VOCAB, WIDE, cache_kwarg, left_pad, left_padded, tiny_llama, tiny_mistral
 from property_support import assert_same_generation, generate
 
 SMALL = dict(sink=1, local=2, heavy=3)  # N_c = 6
@@ -120,7 +120,7 @@ def test_rows_finishing_early_while_others_continue():
     with hshare.patched(model, "ds", sink=2, local=4, heavy=6):
         eos, step = _early_eos(model, ids, mask)
         cache = hshare.new_cache(model)
-        out = model.generate(ids, past_key_values=cache, eos_token_id=eos, **kwargs)
+        out = model.generate(ids, **cache_kwarg(cache), eos_token_id=eos, **kwargs)
         alone = model.generate(ids[1:], eos_token_id=eos, **{**kwargs, "attention_mask": mask[1:]})
     assert cache.stats.sparse_steps == cache.stats.decode_steps == 13
     assert _finished_early(out, width, eos, step), "the finished row is not padded after its EOS"
@@ -199,7 +199,7 @@ def test_output_attentions_is_refused_by_name(implementation):
 def _hidden_states_run(model, ids, mask, cache=None):
     return model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
                           pad_token_id=0, output_hidden_states=True, return_dict_in_generate=True,
-                          past_key_values=cache)
+                          **cache_kwarg(cache))
 
 
 def _assert_same_hidden_states(ref, out):
@@ -358,11 +358,11 @@ def test_second_turn_continues_the_cache(preset, overrides):
 
     def two_turns(cache):
         first = model.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False,
-                               pad_token_id=0, past_key_values=cache, suppress_tokens=[0])
+                               pad_token_id=0, **cache_kwarg(cache), suppress_tokens=[0])
         ids2 = torch.cat((first, turn), 1)
         mask2 = torch.cat((mask, torch.ones(2, ids2.shape[1] - mask.shape[1], dtype=torch.long)), 1)
         out = model.generate(ids2, attention_mask=mask2, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                             pad_token_id=0, past_key_values=cache, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0, **cache_kwarg(cache), output_logits=True, return_dict_in_generate=True,
                              suppress_tokens=[0])
         return out.sequences, torch.stack(out.logits, 1), ids2.shape[1]
 

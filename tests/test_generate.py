@@ -6,8 +6,8 @@ import torch
 import hshare
 from hshare.selection import NO_TOKEN
 
-from conftest import (WIDE, assert_generates_as_dense, assert_rows_equal_alone, generate_with_logits, greedy,
-                      left_padded, letter_tokenizer, tiny_llama, tiny_mistral)
+from conftest import (WIDE, assert_generates_as_dense, assert_rows_equal_alone, cache_kwarg, generate_with_logits,
+                      greedy, left_padded, letter_tokenizer, tiny_llama, tiny_mistral)
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12, far below the prompts used here
 
@@ -41,7 +41,7 @@ def test_sparse_decoding_is_really_sparse():
     cache = None
     with hshare.patched(model, "ds", sink=1, local=2, heavy=2):
         cache = hshare.new_cache(model)
-        sparse = greedy(model, ids, mask, new_tokens=16, past_key_values=cache)
+        sparse = greedy(model, ids, mask, new_tokens=16, **cache_kwarg(cache))
     assert cache.stats.sparse_steps == 15
     assert not torch.equal(sparse, dense), "a 5-token budget over 60 tokens should change the greedy output"
 
@@ -59,7 +59,7 @@ def test_score_computations_follow_sharing_ratios(preset, layers_scored, heads_s
     ids, mask = left_padded([40, 33, 50])
     hshare.patch(model, preset, selection=selection, plan_scope=scope, **SMALL)
     cache = hshare.new_cache(model)
-    greedy(model, ids, mask, new_tokens=10, past_key_values=cache)
+    greedy(model, ids, mask, new_tokens=10, **cache_kwarg(cache))
     steps = 9  # the first new token comes from the prefill
     selections = -(-steps // group)
     assert cache.stats.decode_steps == cache.stats.sparse_steps == steps
@@ -73,7 +73,7 @@ def test_dense_layers_are_not_scored_and_are_exact():
     ids, mask = left_padded([40, 33])
     hshare.patch(model, "ds", dense_layers=[0, 2], **SMALL)
     cache = hshare.new_cache(model)
-    greedy(model, ids, mask, new_tokens=6, past_key_values=cache)
+    greedy(model, ids, mask, new_tokens=6, **cache_kwarg(cache))
     assert cache.stats.score_computations == 5 * 2 * 2 * 2
     assert cache.layers[0].policy is None and cache.layers[1].policy is not None
 
@@ -167,7 +167,7 @@ def test_beam_search(llama, scope):
         assert torch.equal(llama.generate(ids, **kwargs), ref)
     with hshare.patched(llama, "hshare-1_2-1_2-1_2", plan_scope=scope, **SMALL):
         cache = hshare.new_cache(llama)
-        out = llama.generate(ids, past_key_values=cache, **kwargs)
+        out = llama.generate(ids, **cache_kwarg(cache), **kwargs)
         assert out.shape[0] == 2 and cache.stats.sparse_steps > 0
 
 
@@ -183,7 +183,7 @@ def test_mistral_sliding_window_respected(padded):
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     with hshare.patched(model, "hshare-1_2-1_2-1_2", sink=2, local=3, heavy=5):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=12, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=12, **cache_kwarg(cache))
     windows = cache.planner.current.windows
     assert windows.n_valid.tolist() == [24] * len(ids)
     for layer in cache.layers:
@@ -207,7 +207,7 @@ def test_memory_accounting():
     ids, mask = left_padded([40, 40])
     hshare.patch(model, "ds", **SMALL)  # 16 channels of 4 bits + fp32 scale and zero per token
     cache = hshare.new_cache(model)
-    greedy(model, ids, mask, new_tokens=5, past_key_values=cache)
+    greedy(model, ids, mask, new_tokens=5, **cache_kwarg(cache))
     tokens = 40 + 4
     assert cache.kv_bytes() == 4 * 2 * (2 * 2 * tokens * 16 * 4)
     assert cache.label_bytes() == 4 * 2 * 2 * tokens * (16 // 2 + 2 * 4)
@@ -234,7 +234,7 @@ def test_dense_fallback_below_threshold_is_exact_and_counted():
     ref_tokens, ref_logits = generate_with_logits(model, ids, mask)
     with hshare.patched(model, "ds", sink=1, local=2, heavy=2, dense_fallback_mib=1.0):
         cache = hshare.new_cache(model)
-        tokens, logits = generate_with_logits(model, ids, mask, past_key_values=cache)
+        tokens, logits = generate_with_logits(model, ids, mask, **cache_kwarg(cache))
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     assert cache.stats.dense_fallback_steps == cache.stats.decode_steps and cache.stats.sparse_steps == 0
@@ -243,6 +243,6 @@ def test_dense_fallback_below_threshold_is_exact_and_counted():
     saved_bytes = lambda n: 2 * 2 * (n - 5) * 16 * 4 * 2  # rows x Hkv x (columns - N_c) x d x fp32 bytes x (K, V)
     with hshare.patched(model, "ds", sink=1, local=2, heavy=2, dense_fallback_mib=saved_bytes(65) / 2**20):
         cache = hshare.new_cache(model)
-        generate_with_logits(model, ids, mask, past_key_values=cache)
+        generate_with_logits(model, ids, mask, **cache_kwarg(cache))
     assert cache.stats.dense_fallback_steps == 4 and cache.stats.sparse_steps == 5
     assert cache.stats.score_computations > 0

@@ -12,7 +12,7 @@ import torch
 
 import hshare
 from hshare import elementwise_fusion, static_decode
-from conftest import VOCAB, left_pad, left_padded, tiny_llama, tiny_mistral
+from conftest import VOCAB, cache_kwarg, left_pad, left_padded, tiny_llama, tiny_mistral
 from test_static_decode import _generate, _run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -111,7 +111,7 @@ def test_mistral_sliding_window_graphs_equal_unpatched():
     reference = _generate(model, ids, mask, new_tokens=16)
     hshare.patch(model, "dense", prefix="off", **UNFUSED)
     cache = hshare.new_cache(model)
-    out = _generate(model, ids, mask, new_tokens=16, past_key_values=cache)
+    out = _generate(model, ids, mask, new_tokens=16, **cache_kwarg(cache))
     hshare.unpatch(model)
     assert cache.static_decode.reason == ""
     assert torch.equal(out, reference)
@@ -206,7 +206,7 @@ def test_dependent_launches_equal_ordinary_launches(monkeypatch, preset, dtype):
     for on in (False, True):
         hshare.patch(model, preset, dependent_launch=on, **overrides)
         cache = hshare.new_cache(model)
-        out = _generate(model, ids, mask, new_tokens=12, past_key_values=cache, output_logits=True,
+        out = _generate(model, ids, mask, new_tokens=12, **cache_kwarg(cache), output_logits=True,
                         return_dict_in_generate=True)
         hshare.unpatch(model)
         report = cache.static_decode
@@ -223,7 +223,7 @@ def test_fused_elementwise_bfloat16_close_to_unfused():
         hshare.patch(model, "dense", prefix="off", compile_elementwise=fused)
         cache = hshare.new_cache(model)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, pad_token_id=0,
-                             do_sample=False, past_key_values=cache, output_scores=True, return_dict_in_generate=True)
+                             do_sample=False, **cache_kwarg(cache), output_scores=True, return_dict_in_generate=True)
         hshare.unpatch(model)
         assert cache.static_decode.fusion == ("fused" if fused else "compile_elementwise=False")
         scores[fused] = torch.stack(out.scores).float()

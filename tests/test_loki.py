@@ -11,7 +11,7 @@ from hshare import static_decode
 from hshare.config import ConfigError, HShareConfig
 from hshare.loki import LokiKeyCache, principal_components
 
-from conftest import VOCAB, WIDE, assert_rows_equal_alone, greedy, left_pad, left_padded, tiny_llama
+from conftest import VOCAB, WIDE, assert_rows_equal_alone, cache_kwarg, greedy, left_pad, left_padded, tiny_llama
 
 SMALL = dict(sink=2, local=4, heavy=8)
 SHARING = dict(layer_sharing="1/2", head_sharing="1/2", query_sharing="1/2")  # hshare-style ratios
@@ -243,7 +243,7 @@ def test_sharing_plans_work_with_loki(selection, heads_scored):
     dense = greedy(model, ids, mask, new_tokens=10)
     with hshare.patched(model, "hshare-1_2-1_2-1_2", policy="loki", selection=selection, **SMALL):
         cache = hshare.new_cache(model)
-        out = greedy(model, ids, mask, new_tokens=10, past_key_values=cache)
+        out = greedy(model, ids, mask, new_tokens=10, **cache_kwarg(cache))
     stats = cache.stats
     assert stats.plans == 1 and stats.selection_steps == 5
     assert stats.score_computations == 5 * 2 * heads_scored * 3  # half the layers, half the heads
@@ -296,7 +296,7 @@ def test_static_decode_equals_eager(monkeypatch, preset, overrides):
     for static in (False, True):
         with hshare.patched(model, preset, cuda_graphs=static, **overrides):
             cache = hshare.new_cache(model)
-            runs[static] = greedy(model, ids, mask, new_tokens=8, past_key_values=cache), cache
+            runs[static] = greedy(model, ids, mask, new_tokens=8, **cache_kwarg(cache)), cache
     (eager, eager_cache), (tokens, cache) = runs[False], runs[True]
     assert cache.static_decode.reason == "" and eager_cache.static_decode.reason == "cuda_graphs=False"
     assert torch.equal(tokens, eager)
@@ -314,7 +314,7 @@ def test_shared_prefix_budget_covering_own_part_equals_unpatched():
     ref_tokens, ref_logits = greedy_with_logits(model, ids, mask, new_tokens=8)
     with hshare.patched(model, "loki", prefix="on"):
         cache = hshare.new_cache(model)
-        tokens, logits = greedy_with_logits(model, ids, mask, new_tokens=8, past_key_values=cache)
+        tokens, logits = greedy_with_logits(model, ids, mask, new_tokens=8, **cache_kwarg(cache))
     assert cache.prefix is not None and cache.prefix.width == 50
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
@@ -332,7 +332,7 @@ def test_shared_prefix_own_part_selection_independent_of_sharing(monkeypatch, ov
     ids, mask = left_pad(prompts)
     with hshare.patched(model, "loki", prefix="on", **SMALL, **overrides):
         cache = hshare.new_cache(model)
-        batch = greedy(model, ids, mask, new_tokens=9, past_key_values=cache)
+        batch = greedy(model, ids, mask, new_tokens=9, **cache_kwarg(cache))
         assert cache.prefix.width == 30 and cache.stats.sparse_steps > 0
 
         import hshare.shared_generate as shared_generate

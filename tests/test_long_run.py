@@ -29,7 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, Stoppi
 
 import hshare
 
-from conftest import left_padded
+from conftest import cache_kwarg, left_padded
 
 pytestmark = pytest.mark.slow
 
@@ -223,7 +223,7 @@ def long_run():
             monitor = Monitor(cache, reads, params)
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, min_new_tokens=STEPS,
-                                     do_sample=False, pad_token_id=0, past_key_values=cache,
+                                     do_sample=False, pad_token_id=0, **cache_kwarg(cache),
                                      stopping_criteria=StoppingCriteriaList([monitor]))
     finally:
         sys.setprofile(None)

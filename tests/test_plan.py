@@ -11,7 +11,7 @@ from hshare.cli import main as cli_main
 from hshare.eval.harness import evaluation_config
 from hshare.eval.plan import ConfigPlan, measure_plans, plan_lines
 
-from conftest import VOCAB, tiny_llama
+from conftest import VOCAB, cache_kwarg, tiny_llama
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12, below the windows here
 
@@ -40,7 +40,7 @@ def _generate_plan(model, windows, config):
     with hshare.patched(model, evaluation_config(config)):
         cache = hshare.new_cache(model)
         model.generate(windows, attention_mask=torch.ones_like(windows), max_new_tokens=2, min_new_tokens=2,
-                       do_sample=False, pad_token_id=0, past_key_values=cache)
+                       do_sample=False, pad_token_id=0, **cache_kwarg(cache))
         return cache.planner.sharing, cache.sparse_layers
 
 

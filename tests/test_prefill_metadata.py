@@ -7,7 +7,7 @@ import torch
 import hshare
 from hshare.kernels import quantize_labels
 
-from conftest import greedy, left_padded, tiny_llama
+from conftest import cache_kwarg, greedy, left_padded, tiny_llama
 
 SMALL = dict(sink=2, local=4, heavy=6, dense_fallback_mib=0)
 
@@ -34,7 +34,7 @@ def test_metadata_is_built_after_the_prefill_forward(preset):
         cache = hshare.new_cache(model)
         seen, hook = metadata_during_prefill(model, cache)
         try:
-            greedy(model, ids, mask, new_tokens=1, past_key_values=cache)  # the prefill only
+            greedy(model, ids, mask, new_tokens=1, **cache_kwarg(cache))  # the prefill only
         finally:
             hook.remove()
     assert seen and cache.sparse_layers
@@ -69,7 +69,7 @@ def test_a_forward_without_the_model_hook_is_completed_before_decode():
         want = greedy(model, ids, mask, new_tokens=4)
         cache = hshare.new_cache(model)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        hidden = model.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        hidden = model.model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwarg(cache),
                              use_cache=True).last_hidden_state
         assert all(i in cache.planner.pending for i in cache.sparse_layers)
         first = model.lm_head(hidden[:, -1]).argmax(-1, keepdim=True)
@@ -77,7 +77,7 @@ def test_a_forward_without_the_model_hook_is_completed_before_decode():
         for step in range(3):
             mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
             out = model(input_ids=tokens[-1], attention_mask=mask, position_ids=positions[:, -1:] + step + 1,
-                        past_key_values=cache, use_cache=True)
+                        **cache_kwarg(cache), use_cache=True)
             assert not cache.planner.pending
             tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
     assert torch.equal(torch.cat(tokens, dim=1), want[:, ids.shape[1]:])
@@ -102,7 +102,7 @@ def test_evidence_held_through_the_forward_is_what_the_policy_scores(preset):
         cache = hshare.new_cache(model)
         hook = model.model.layers[-1].mlp.register_forward_hook(record)
         try:
-            greedy(model, ids, mask, new_tokens=1, past_key_values=cache)
+            greedy(model, ids, mask, new_tokens=1, **cache_kwarg(cache))
         finally:
             hook.remove()
     config, rows = cache.config, cache.config.planner.rows
@@ -152,7 +152,7 @@ def test_policy_row_tensors_wait_off_the_device_through_the_forward(preset, monk
         cache = hshare.new_cache(model)
         hook = model.model.layers[-1].mlp.register_forward_hook(record)
         try:
-            got = greedy(model, ids, mask, new_tokens=4, past_key_values=cache)
+            got = greedy(model, ids, mask, new_tokens=4, **cache_kwarg(cache))
         finally:
             hook.remove()
     assert during  # every policy here has row state

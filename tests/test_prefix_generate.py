@@ -4,10 +4,11 @@ import pytest
 import torch
 
 import hshare
+from hshare import compat
 from hshare.prefix import build_layout, detect_shared_prefix
 from hshare.selection import NO_TOKEN
 
-from conftest import VOCAB, left_pad, tiny_llama, tiny_mistral
+from conftest import VOCAB, cache_kwarg, left_pad, tiny_llama, tiny_mistral
 
 
 def tokens(n, generator=None):
@@ -18,7 +19,7 @@ def tokens(n, generator=None):
 def run(model, ids, mask, new_tokens=8, cache=None, **kwargs):
     kwargs.setdefault("do_sample", False)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         pad_token_id=0, output_logits=True, return_dict_in_generate=True, past_key_values=cache,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True, **cache_kwarg(cache),
                          **kwargs)
     return out.sequences, torch.stack(out.logits, 1)
 
@@ -188,7 +189,7 @@ def test_continuing_from_a_shared_prefix_cache_is_refused():
         cache = hshare.new_cache(model)
         out, _ = run(model, ids, mask, cache=cache)
         with pytest.raises(ValueError, match="shared-prefix layout"):
-            model.generate(out, attention_mask=torch.ones_like(out), max_new_tokens=2, past_key_values=cache,
+            model.generate(out, attention_mask=torch.ones_like(out), max_new_tokens=2, **cache_kwarg(cache),
                            pad_token_id=0)
 
 
@@ -304,15 +305,15 @@ def test_prefix_held_once_bytes():
     with hshare.patched(model, "dense", prefix="on"):
         cache = hshare.new_cache(model)
         model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=True, num_return_sequences=samples, pad_token_id=0, past_key_values=cache)
+                       do_sample=True, num_return_sequences=samples, pad_token_id=0, **cache_kwarg(cache))
     layers, kv_heads, dim = 4, 2, 16
     token_bytes = layers * 2 * kv_heads * dim * 4  # K and V, fp32
     prefix_len = 122  # the whole prompt but its last token
     own = 1 + new_tokens - 1  # last prompt token + generated tokens but the last (never cached)
     assert cache.kv_bytes() == (prefix_len + samples * own) * token_bytes
     assert cache.unshared_kv_bytes() == samples * (prefix_len + own) * token_bytes
-    plain = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=True, num_return_sequences=samples, pad_token_id=0,
-                           return_dict_in_generate=True).past_key_values
+    plain = compat.output_cache(model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                               min_new_tokens=new_tokens, do_sample=True, num_return_sequences=samples,
+                                               pad_token_id=0, return_dict_in_generate=True))
     plain_bytes = sum(layer.keys.numel() * 4 + layer.values.numel() * 4 for layer in plain.layers)
     assert plain_bytes == cache.unshared_kv_bytes()

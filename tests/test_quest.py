@@ -9,7 +9,8 @@ from hshare.policy import SelectionPolicy
 from hshare.quest import QuestPageCache, page_bounds_reference, pages_for
 from hshare.selection import NO_TOKEN, select_heavy
 
-from conftest import WIDE, assert_generates_as_dense, assert_rows_equal_alone, greedy, left_padded, tiny_llama
+from conftest import (WIDE, assert_generates_as_dense, assert_rows_equal_alone, cache_kwarg, greedy, left_padded,
+                      tiny_llama)
 
 SMALL = dict(sink=2, local=4, heavy=8, page_size=4)  # N_c = 14: two whole pages of heavy tokens
 
@@ -236,7 +237,7 @@ def test_selected_columns_are_whole_pages_in_the_middle_never_padding(selection)
     dense = greedy(model, ids, mask, new_tokens=8)
     with hshare.patched(model, "quest", selection=selection, **SMALL):
         cache = hshare.new_cache(model)
-        sparse = greedy(model, ids, mask, new_tokens=8, past_key_values=cache)
+        sparse = greedy(model, ids, mask, new_tokens=8, **cache_kwarg(cache))
     windows = cache.planner.current.windows  # the last step selected (query groups of 1): its middle window
     for layer in cache.layers:
         heavy, shift = layer.heavy, layer.policy.shift
@@ -277,7 +278,7 @@ def test_sharing_plans_work_with_quest(selection, heads_scored):
     ids, mask = left_padded([40, 33, 50])
     with hshare.patched(model, "quest-1_2-1_2-1_2", selection=selection, **SMALL):
         cache = hshare.new_cache(model)
-        out = greedy(model, ids, mask, new_tokens=10, past_key_values=cache)
+        out = greedy(model, ids, mask, new_tokens=10, **cache_kwarg(cache))
     stats = cache.stats
     assert stats.plans == 1 and stats.selection_steps == 5
     assert stats.score_computations == 5 * 2 * heads_scored * 3  # half the layers, half the heads
@@ -298,7 +299,7 @@ def test_beam_search_and_label_bytes():
         assert torch.equal(model.generate(ids, **kwargs), ref)
     with hshare.patched(model, "quest", **SMALL):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=5, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=5, **cache_kwarg(cache))
     tokens = 36 + 4
     pages = pages_for(tokens, 4)
     assert cache.label_bytes() == 4 * 2 * (2 * 2 * pages * 16 * 4)  # layers x (min, max) x rows x Hkv x P x d x fp32

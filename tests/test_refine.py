@@ -15,7 +15,7 @@ from hshare.refine import refine_by_keys, select_candidates
 from hshare.selection import with_successors
 from hshare.selection import NO_TOKEN
 
-from conftest import greedy, left_pad, left_padded, tiny_llama
+from conftest import cache_kwarg, greedy, left_pad, left_padded, tiny_llama
 from property_support import check_successor_walk
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12
@@ -327,7 +327,7 @@ def test_every_reusing_layer_head_and_step_refines_with_its_own_query(monkeypatc
     with hshare.patched(model, preset, candidates=2, query_sharing="1/2", dense_fallback_mib=0, prefix=prefix,
                         **SMALL, **overrides):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=NEW, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=NEW, **cache_kwarg(cache))
     assert (cache.prefix is not None) == (prefix == "on")
     heavy, count = SMALL["heavy"], 12
     checked = {"select": 0, "reuse": 0, "copied": 0}
@@ -396,7 +396,7 @@ def test_successors_without_refinement(monkeypatch, preset, prefix):
     with hshare.patched(model, preset, successors=True, query_sharing="1/2", dense_fallback_mib=0, prefix=prefix,
                         **SMALL):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=NEW, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=NEW, **cache_kwarg(cache))
     heavy = SMALL["heavy"]
     checked = {"select": 0, "copied": 0, "reuse": 0}
     forward, previous = {}, {}
@@ -459,7 +459,7 @@ def test_plan_evidence_ranks_without_successors(monkeypatch):
     model = tiny_llama(kv_heads=2, layers=4, heads=4)
     ids, mask = left_padded(LENGTHS, torch.Generator().manual_seed(4))
     with hshare.patched(model, "hshare-successors", dense_fallback_mib=0, **SMALL):
-        greedy(model, ids, mask, new_tokens=2, past_key_values=hshare.new_cache(model))
+        greedy(model, ids, mask, new_tokens=2, **cache_kwarg(hshare.new_cache(model)))
     heavy = SMALL["heavy"]
     assert len(seen["checked"]) == 4
     for scores, middle, top, keep in seen["checked"]:
@@ -496,7 +496,7 @@ def test_counters_count_the_candidate_rows_scored(preset):
     for candidates in (1, 2):
         with hshare.patched(model, preset, candidates=candidates, dense_fallback_mib=0, **SMALL):
             cache = hshare.new_cache(model)
-            greedy(model, ids, mask, new_tokens=NEW, past_key_values=cache)
+            greedy(model, ids, mask, new_tokens=NEW, **cache_kwarg(cache))
             stats[candidates] = cache.stats
     plain, refined = stats[1], stats[2]
     assert plain.refinements == 0
@@ -518,7 +518,7 @@ def test_counters_count_the_key_rows_an_exact_refinement_scores(successors):
         with hshare.patched(model, "hshare-1_2-1_2-1_2", candidates=2, successors=successors, refine_by=refine_by,
                             dense_fallback_mib=0, **SMALL):
             cache = hshare.new_cache(model)
-            greedy(model, ids, mask, new_tokens=NEW, past_key_values=cache)
+            greedy(model, ids, mask, new_tokens=NEW, **cache_kwarg(cache))
             stats[refine_by] = cache.stats
     labels, keys = stats["labels"], stats["keys"]
     assert (keys.score_computations, keys.refinements) == (labels.score_computations, labels.refinements)
@@ -542,7 +542,7 @@ def test_reuse_steps_without_step_refinement_keep_the_selection_steps_columns(mo
         with hshare.patched(model, "hshare-1_2-1_2-1_2", candidates=2, query_sharing="1/3", dense_fallback_mib=0,
                             prefix=prefix, successors=successors, refine_steps=refine_steps, **SMALL):
             caches[refine_steps] = hshare.new_cache(model)
-            greedy(model, ids, mask, new_tokens=NEW, past_key_values=caches[refine_steps])
+            greedy(model, ids, mask, new_tokens=NEW, **cache_kwarg(caches[refine_steps]))
         runs[refine_steps] = list(seen)
         monkeypatch.undo()
     refined, kept = runs[True], runs[False]
@@ -586,7 +586,7 @@ def test_counters_count_the_rows_successors_rank():
         with hshare.patched(model, "hshare-1_2-1_2-1_2", candidates=candidates, successors=successors,
                             dense_fallback_mib=0, **SMALL):
             cache = hshare.new_cache(model)
-            greedy(model, ids, mask, new_tokens=NEW, past_key_values=cache)
+            greedy(model, ids, mask, new_tokens=NEW, **cache_kwarg(cache))
             stats[candidates, successors] = cache.stats
     for candidates, fewer in ((1, 0), (2, 2 * SMALL["heavy"])):
         plain, walked = stats[candidates, False], stats[candidates, True]
@@ -606,7 +606,7 @@ def test_static_shapes_equal_eager(monkeypatch, overrides):
     for static in (False, True):
         with hshare.patched(model, "hshare-1_2-1_2-1_2", cuda_graphs=static, **{"candidates": 2, **SMALL, **overrides}):
             cache = hshare.new_cache(model)
-            out[static] = (greedy(model, ids, mask, new_tokens=8, past_key_values=cache), cache)
+            out[static] = (greedy(model, ids, mask, new_tokens=8, **cache_kwarg(cache)), cache)
     static_cache = out[True][1]
     assert static_cache.static_decode.reason == "" and static_cache.static_decode.eager_steps == 7
     assert torch.equal(out[True][0], out[False][0])
@@ -637,7 +637,7 @@ def test_static_refinements_write_in_place_and_copying_layers_keep_their_sources
     monkeypatch.setattr(attention_module, "_refine", spy)
     with hshare.patched(model, "hshare-refine-successors", cuda_graphs=True, refine_by=refine_by, **SMALL):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=8, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=8, **cache_kwarg(cache))
     layers = cache.layers
     plan = cache.planner.sharing.layer_source[0].tolist()
     copying = [layer for layer, source in enumerate(plan) if source != layer]
@@ -690,7 +690,7 @@ def test_auto_planner_shares_per_the_evidence():
         with hshare.patched(model, "hshare-1_2-1_2-1_2", planner="auto", share_similarity=target,
                             dense_fallback_mib=0, **SMALL):
             cache = hshare.new_cache(model)
-            greedy(model, ids, mask, new_tokens=4, past_key_values=cache)
+            greedy(model, ids, mask, new_tokens=4, **cache_kwarg(cache))
             plan = cache.planner.sharing
             sources[target] = (int((plan.layer_source[0] == torch.arange(4)).sum()),
                                int((plan.head_source[:, 0] == torch.arange(2)).sum()))
@@ -707,7 +707,7 @@ def test_auto_planner_meets_a_scoring_budget(scorings):
     with hshare.patched(model, "hshare-1_2-1_2-1_2", planner="auto", share_scorings=scorings, layer_sharing="1/4",
                         head_sharing="1/2", dense_fallback_mib=0, **SMALL):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=5, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=5, **cache_kwarg(cache))
     plan, stats = cache.planner.sharing, cache.stats
     selecting = sum(int((plan.head_source[layer, 0] == torch.arange(2)).sum()) for layer in range(4)
                     if int(plan.layer_source[0, layer]) == layer)

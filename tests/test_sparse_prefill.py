@@ -10,7 +10,7 @@ from hshare.labels import LabelCache
 from hshare.quest import QuestPageCache
 from hshare.selection import valid_columns_from_mask
 
-from conftest import WIDE, assert_generates_as_dense, generate_with_logits, greedy, left_padded, tiny_llama
+from conftest import WIDE, assert_generates_as_dense, cache_kwarg, generate_with_logits, greedy, left_padded, tiny_llama
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12
 
@@ -154,10 +154,10 @@ def test_shared_prefix_and_sparse_prefill():
     with hshare.patched(model, "ds", sparse_prefill=True, prefix="auto", prefix_min_tokens=1, prefix_min_batch=1,
                         prefix_min_saved_tokens=0, **SMALL):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=3, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=3, **cache_kwarg(cache))
     assert cache.prefix is None  # auto does not share with sparse prefill
     with hshare.patched(model, "ds", prefix="auto", prefix_min_tokens=1, prefix_min_batch=1,
                         prefix_min_saved_tokens=0, **SMALL):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=3, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=3, **cache_kwarg(cache))
     assert cache.prefix is not None  # the same prompts share without it

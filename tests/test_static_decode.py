@@ -10,7 +10,7 @@ import torch
 import hshare
 from hshare import static_decode
 from hshare.quest import pages_for
-from conftest import VOCAB, left_pad, left_padded, tiny_llama, tiny_mistral
+from conftest import VOCAB, cache_kwarg, left_pad, left_padded, tiny_llama, tiny_mistral
 
 SPARSE = dict(sink=2, local=4, heavy=6)
 
@@ -34,7 +34,7 @@ def _run(model, preset, ids, mask, static: bool, new_tokens=8, seed=None, **over
     if seed is not None:
         torch.manual_seed(seed)
         kwargs = dict(do_sample=True, top_k=20)
-    out = _generate(model, ids, mask, new_tokens, past_key_values=cache, **kwargs)
+    out = _generate(model, ids, mask, new_tokens, **cache_kwarg(cache), **kwargs)
     hshare.unpatch(model)
     return out, cache
 
@@ -240,7 +240,7 @@ def test_what_cannot_run_static_says_why(setup, reason):
     ids, mask = left_padded([20, 14])
     hshare.patch(model, setup["preset"], **setup["overrides"])
     cache = hshare.new_cache(model)
-    _generate(model, ids, mask, past_key_values=cache, **setup.get("generate", {}))
+    _generate(model, ids, mask, **cache_kwarg(cache), **setup.get("generate", {}))
     hshare.unpatch(model)
     assert reason in cache.static_decode.reason
 

@@ -10,7 +10,7 @@ import torch
 import hshare
 from hshare.config import HShareConfig
 
-from conftest import greedy, left_padded, tiny_llama
+from conftest import cache_kwarg, greedy, left_padded, tiny_llama
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
@@ -27,7 +27,7 @@ def test_steps_run_sparse_once_they_save_the_threshold(kv_heads):
     threshold = (saved_at(crossing - 1) + saved_at(crossing)) / 2
     with hshare.patched(model, config.replace(dense_fallback_mib=threshold / 2**20)):
         cache = hshare.new_cache(model)
-        greedy(model, ids, mask, new_tokens=new_tokens, past_key_values=cache)
+        greedy(model, ids, mask, new_tokens=new_tokens, **cache_kwarg(cache))
     stats = cache.stats
     decode_steps = new_tokens - 1
     assert stats.decode_steps == decode_steps
@@ -44,7 +44,7 @@ def test_a_context_within_the_budget_never_pays():
     for mib, dense_steps in ((1e-9, 3), (0, 0)):
         with hshare.patched(model, "ds", heavy=64, dense_fallback_mib=mib, cuda_graphs=False):
             cache = hshare.new_cache(model)
-            greedy(model, ids, mask, new_tokens=4, past_key_values=cache)
+            greedy(model, ids, mask, new_tokens=4, **cache_kwarg(cache))
         assert cache.stats.dense_fallback_steps == dense_steps
 
 
@@ -123,7 +123,7 @@ def test_each_step_gives_the_token_of_the_path_it_took(policy, kv_heads):
     threshold = (saved_at(crossing - 1) + saved_at(crossing)) / 2
     with hshare.patched(model, config.replace(dense_fallback_mib=threshold / 2**20)):
         cache = hshare.new_cache(model)
-        ruled = greedy(model, ids, mask, new_tokens=new_tokens, past_key_values=cache)
+        ruled = greedy(model, ids, mask, new_tokens=new_tokens, **cache_kwarg(cache))
     assert cache.stats.dense_fallback_steps == crossing - 1 and cache.stats.sparse_steps == new_tokens - crossing, seed
     with hshare.patched(model, "dense"):
         dense = greedy(model, ids, mask, new_tokens=new_tokens)

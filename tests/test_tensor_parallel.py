@@ -25,7 +25,7 @@ from hshare.channels import ChannelCalibration, model_signature
 from hshare.heads import HeadShard
 from hshare.planner import sources_for_ratio
 
-from conftest import VOCAB, left_pad
+from conftest import VOCAB, cache_kwarg, left_pad
 from tp_worker import run_cases
 
 RANKS = 2
@@ -211,7 +211,7 @@ def test_planner_reads_head_counts_from_tensors(selection):
     cache = hshare.new_cache(model)
     assert cache.heads is None  # nothing is sized from the config
     model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
-                   past_key_values=cache)
+                   **cache_kwarg(cache))
     sel = 2 if selection == "kv_head" else 4
     assert cache.heads == HeadShard(4, 2, ranks=2, rank=None, group=None)
     assert (cache.q_heads, cache.kv_heads, cache.sel_heads) == (4, 2, sel)

@@ -36,6 +36,8 @@ ARCHITECTURES = {  # (config class, model class, config): GQA 4/2 everywhere
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),  # q/k norms
 }
 SPELLINGS = ("cache", "past_key_values")
+# the earlier spelling is passed on purpose: transformers warns of it from 5.24 on
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -18,13 +18,14 @@ import torch
 def run_case(model, case: dict, batch: dict, new_tokens: int) -> dict:
     """One preset on one batch: tokens, logits, the plan, the counters and the cache's head counts."""
     import hshare
+    from hshare import compat
 
     with hshare.patched(model, case["preset"], **case["overrides"]):
         cache = hshare.new_cache(model)
         ids, mask = batch["ids"].to(model.device), batch["mask"].to(model.device)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, past_key_values=cache,
-                             output_logits=True, return_dict_in_generate=True)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                             **{compat.CACHE_KWARG: cache})
     plan = cache.planner.sharing
     return {
         "tokens": out.sequences.cpu(),

@@ -66,7 +66,7 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from hshare import patches
+from hshare import compat, patches
 from hshare.bench import multi_gpu, roofline
 from hshare.bench.multi_gpu import Placement
 from hshare.bench.results import environment, write
@@ -315,7 +315,7 @@ def measure_path(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_to
         if patched:  # hold one cache at a time: each is as large as the whole KV of the generation
             caches.clear()  # free the previous cache before making the next
             caches.append(hshare.new_cache(model))
-            extra["past_key_values"] = caches[0]
+            extra[compat.CACHE_KWARG] = caches[0]
         if clock is not None:
             extra["stopping_criteria"] = StoppingCriteriaList([clock])
             clock.start = time.perf_counter()

@@ -135,7 +135,7 @@ def prefix_memory(samples=128, prompt=4096, new_tokens=256, device="cuda", dtype
     del plain
     with hshare.patched(model, "dense", prefix=prefix):
         cache = hshare.new_cache(model)
-        model.generate(ids, past_key_values=cache, **kwargs)
+        model.generate(ids, **{compat.CACHE_KWARG: cache}, **kwargs)
     held = cache.kv_bytes()
     return {"samples": samples, "prompt": prompt, "new_tokens": new_tokens, "dynamic_cache_bytes": dynamic,
             "hshare_bytes": held, "prefix_tokens": cache.prefix.width if cache.prefix else 0,
