@@ -174,7 +174,8 @@ one_gpu_part() {
       grid 300 --shapes llama3-8b --rows 4 --prompts 32k --new-tokens 64 --padded --name refine_b4_p32k \
         --paths "${REFINE32K_PATHS:-$HS@1024,hshare-refine@1024,hshare-refine@1024+candidates=4,quest@1024}" ;;
     ab)
-      local base=${AB_BASE:-.ab-base} k side site args
+      local base=${AB_BASE:-.ab-base} out k side site args
+      out=$(cd "$OUT" && pwd)  # the runs start in /tmp
       [ -f "$base/pyproject.toml" ] || { echo "ab: no tree in $base (git archive REV | tar -x -C $base; carry it)" >&2
                                          return 2; }
       python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/ab-base "$base" 2>&1 | tail -2
@@ -184,8 +185,8 @@ one_gpu_part() {
           site=; [ "$side" = base ] && site=/tmp/ab-base
           # from /tmp: the checkout's own package, first on the path of `python3 -m` run here, would hide the base's
           (cd /tmp && PYTHONPATH=$site timeout "${AB_SECONDS:-150}" python3 -m hshare.bench.grid \
-            --out "$OUT/ab_${side}_$k" --time-limit "$((${AB_SECONDS:-150} - 40))" "${args[@]}" 2>&1 | grep -v Warning \
-            | tee -a "$OUT/ab.log" | tail -2)
+            --out "$out/ab_${side}_$k" --time-limit "$((${AB_SECONDS:-150} - 40))" "${args[@]}" 2>&1 | grep -v Warning \
+            | tee -a "$out/ab.log" | tail -2)
         done
       done
       python3 benchmarks/ab_table.py "$OUT" | tee "$OUT/ab.md" ;;
