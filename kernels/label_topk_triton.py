@@ -629,9 +629,8 @@ def selection_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: to
     """Same contract as `label_topk.decode_label_topk_walk` (``count <= MAX_WALK_CANDIDATES``): `label_topk_triton`
     of `count` columns writing their keys, then `candidate_label_walk_triton` reading them (no label row scored
     twice)."""
-    row_heads = (query.shape[0] if rows is None else rows.shape[0]) * (
-        channels.shape[1] if heads is None else heads.shape[-1])
-    keys = torch.empty(row_heads, candidate_slots(count), dtype=torch.int32, device=codes.device)
+    rows_count, n_heads = _selection_shape(None, query, channels, rows, heads)
+    keys = torch.empty(rows_count * n_heads, candidate_slots(count), dtype=torch.int32, device=codes.device)
     columns = label_topk_triton(None, codes, scale, zero, bits, count, rows, heads, None, selectable, query=query,
                                 channels=channels, keys=keys)
     return candidate_label_walk_triton(query, channels, codes, scale, zero, bits, columns, rows, heads, selectable,
@@ -667,7 +666,7 @@ def chunk_size(n: int, bits: int) -> int:
     power of two, at least 16), one launch, up to `CHUNK` columns, over 4- and 8-bit labels up to `SINGLE_CHUNK`;
     beyond, `CHUNK` (more where the row would take over `MAX_CHUNKS`). So a 4k prompt's cache (a little past 4,096
     columns) is one program of 16 warps instead of two chunks and the select's launch; an 8k prompt's stays in
-    chunks (a program of 16,384 columns was slower in the decode step: `benchmarks/RESULTS.md`)."""
+    chunks (these limits' evidence: `benchmarks/RESULTS.md`, "Defaults chosen from these measurements")."""
     if n <= (CHUNK if bits == 16 else SINGLE_CHUNK):
         return max(16, triton.next_power_of_2(n))
     return max(CHUNK, triton.next_power_of_2(triton.cdiv(n, MAX_CHUNKS)))
@@ -775,6 +774,14 @@ def top_scored(scratch: torch.Tensor, candidates: torch.Tensor, out: torch.Tenso
     )
 
 
+def _selection_shape(query_labels: torch.Tensor | None, query: torch.Tensor | None, channels: torch.Tensor | None,
+                     rows: torch.Tensor | None, heads: torch.Tensor | None) -> tuple[int, int]:
+    """``(A, H')``: the rows and heads a label selection serves, from its index tensors, else from the query labels
+    ``[A, H', r]`` or the decode query ``[B, Hq, d]`` and heavy channels ``[P, H_sel, r]`` (all rows and heads)."""
+    count, n_heads = query_labels.shape[:2] if query_labels is not None else (query.shape[0], channels.shape[1])
+    return (rows.shape[0] if rows is not None else count), (heads.shape[-1] if heads is not None else n_heads)
+
+
 def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, scale: torch.Tensor | None,
                       zero: torch.Tensor | None, bits: int, heavy: int, rows: torch.Tensor | None,
                       heads: torch.Tensor | None,
@@ -792,9 +799,7 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     `num_warps`, `tail_warps` and `max_registers` (a thread's register cap, every launch; 0: none) override the
     launch (tests, benchmark sweeps)."""
     n = codes.shape[2]
-    count, n_heads = query_labels.shape[:2] if query_labels is not None else (query.shape[0], channels.shape[1])
-    count = rows.shape[0] if rows is not None else count
-    n_heads = heads.shape[-1] if heads is not None else n_heads
+    count, n_heads = _selection_shape(query_labels, query, channels, rows, heads)
     device = codes.device
     out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=device)
     if heavy == 0 or count * n_heads == 0:
