@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None, help="fused: columns per program (a power of two)")
     parser.add_argument("--tile", type=int, default=None, help="fused: candidates per tile of the last program")
     parser.add_argument("--warps", type=int, default=None, help="fused: warps per program")
+    parser.add_argument("--tail-warps", type=int, default=None, help="fused: warps per program of the select launch")
     parser.add_argument("--maxnreg", type=int, default=None, help="fused: registers a thread at most")
     parser.add_argument("--kernels", action="store_true", help="fused: also print its GPU time per kernel")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
@@ -123,7 +124,8 @@ def main() -> None:
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     results = []
-    overrides = dict(chunk=args.chunk, tile=args.tile, num_warps=args.warps, max_registers=args.maxnreg)
+    overrides = dict(chunk=args.chunk, tile=args.tile, num_warps=args.warps, tail_warps=args.tail_warps,
+                     max_registers=args.maxnreg)
     for shape in args.shapes.split(","):
         rows, heads, n = map(int, shape.split("x"))
         codes, scale, zero, query, chans, window, selectable = make_step(
