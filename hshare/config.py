@@ -250,7 +250,10 @@ class PlannerConfig:
         scorings: the "auto" planner's scoring budget, a ratio in (0, 1] (None: the `similarity` target): the
             share of a selection step's (layer, selection head) pairs that still score the whole context.
             Layer and head copies are taken together, the most similar first, until the selecting pairs are
-            at most that share (`hshare.planner.budget_copies`); the sharing ratios bound them as above.
+            at most that share (`hshare.planner.budget_copies`); the sharing ratios bound them as above. With
+            two `rows` or more, each dimension's copies are ordered on the even rows and compared by their
+            similarity on the odd ones (held out, so that the best of many noisy head pairs does not look
+            better than it is).
             Query sharing divides the full-context scorings further. A batch plan only (`scope` "batch").
     """
 

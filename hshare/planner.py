@@ -128,7 +128,8 @@ def greedy_sharing(similarity: torch.Tensor, copies: int, threshold: float | Non
 
 def budget_copies(head_similarity: torch.Tensor | None, layer_similarity: torch.Tensor | None, count: int, heads: int,
                   head_copies: int, layer_copies: int, scorings: float,
-                  over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[int], int]:
+                  over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  held_out: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> tuple[list[int], int]:
     """How many heads of each sparse layer, and how many layers, copy under the "auto" planner's scoring
     budget (`PlannerConfig.scorings`).
 
@@ -139,6 +140,12 @@ def budget_copies(head_similarity: torch.Tensor | None, layer_similarity: torch.
     At most `head_copies` heads of a layer and `layer_copies` layers copy (the sharing ratios' bounds); the
     budget is met unless they stop it first. Host syncs: at plan time only.
 
+    The similarity of the pair a greedy step takes is the largest of its candidates', so it overstates the
+    pair's by the evidence's noise, the more the more candidates: a layer's head pairs are many (496 at 32
+    heads) and each a mean over few rows, a layer copy's candidates few and each a mean over every head. With
+    `held_out`, the copies are ordered by these similarities and the merge compares each copy's similarity on
+    the held-out evidence instead (the same pair on other prefill rows), which the choice did not see.
+
     Args:
         head_similarity: ``[Ls, H, H]`` per sparse layer (None: no head copies).
         layer_similarity: ``[Ls, Ls]``, entry (i, j < i) the similarity of sparse layer i to j (None: no layer
@@ -147,19 +154,24 @@ def budget_copies(head_similarity: torch.Tensor | None, layer_similarity: torch.
         over_ranks: under tensor parallelism, the mean over the ranks (`HeadShard.mean_over_ranks`) of the head
             copies' similarities, so that every rank, holding the same layer similarities, counts the same copies
             (each rank then pairs its own heads).
+        held_out: ``(head, layer)`` similarities of the same shapes on other evidence rows, what the merge
+            compares (None: the ordering's own).
 
     Returns:
         ``(head copies per sparse layer [Ls], layer copies)``.
     """
     head_copies = head_copies if head_similarity is not None else 0
     layer_copies = layer_copies if layer_similarity is not None else 0
+    held_heads, held_layers = held_out if held_out is not None else (head_similarity, layer_similarity)
+    layers = torch.arange(count, device=head_similarity.device) if head_copies else None
     # [head_copies][Ls]: the similarity of each layer's k-th head copy; [layer_copies]: each layer copy's and copier
     head_best = []
     if head_copies:
-        head_best = torch.stack([best for best, _, _ in _greedy_pairs(head_similarity, head_copies)])
+        head_best = torch.stack([held_heads[layers, copier, source]
+                                 for _, copier, source in _greedy_pairs(head_similarity, head_copies)])
         head_best = (over_ranks(head_best) if over_ranks is not None else head_best).tolist()
     layer_pairs = list(_greedy_pairs(layer_similarity, layer_copies)) if layer_copies else []
-    layer_best = [float(best[0]) for best, _, _ in layer_pairs]
+    layer_best = [float(held_layers[copier[0], source[0]]) for _, copier, source in layer_pairs]
     layer_copier = [int(copier[0]) for _, copier, _ in layer_pairs]
     head_taken, copied, layers_taken = [0] * count, [False] * count, 0
     selecting, target = count * heads, scorings * count * heads
@@ -230,7 +242,9 @@ def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Ten
                num_layers: int, heads: int, layer_ratio: float, head_ratio: float, per_sample: bool, batch: int,
                device: torch.device, random_generator: torch.Generator | None = None,
                threshold: float | None = None, scorings: float | None = None,
-               over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SharingPlan:
+               over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               halves: tuple[tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]], ...] | None = None
+               ) -> SharingPlan:
     """Plan layer and head sharing from prefill evidence.
 
     Args:
@@ -247,6 +261,9 @@ def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Ten
             ratios bound the copies, and each layer's head copies and the layer copies are counted from the
             evidence, then paired by Algorithm 1.
         over_ranks: the mean over tensor-parallel ranks (`budget_copies`).
+        halves: the evidence rows split in two, ``((head_sim, layer_sim), (head_sim, layer_sim))`` as the first
+            two: with `scorings`, `budget_copies` orders each dimension's copies on the first half and merges them
+            by their similarities on the second (held out); the copies are then paired on all rows.
     """
     planes = batch if per_sample else 1
 
@@ -262,28 +279,38 @@ def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Ten
     count = len(sparse_layers)
     head_copies = heads - sources_for_ratio(head_ratio, heads)
     layer_copies = count - sources_for_ratio(layer_ratio, count)
+
+    def heads_of(similarity: dict[int, torch.Tensor]) -> torch.Tensor:  # [Ls, P, H, H]
+        return torch.stack([reduce(similarity[layer]) for layer in sparse_layers])
+
+    def layers_of(similarity: dict[int, torch.Tensor]) -> torch.Tensor:  # [P, Ls, Ls]
+        matrix = torch.zeros(planes, count, count, device=device)
+        for position, layer in enumerate(sparse_layers[1:], start=1):
+            matrix[:, position, :position] = reduce(similarity[layer])
+        return matrix
+
     stacked = matrix = None
     if head_copies:
-        if random_generator is not None:
-            stacked = random_like((count, planes, heads, heads))
-        else:
-            stacked = torch.stack([reduce(head_sim[layer]) for layer in sparse_layers])  # [Ls, P, H, H]
+        stacked = random_like((count, planes, heads, heads)) if random_generator is not None else heads_of(head_sim)
     if layer_copies:
-        if random_generator is not None:
-            matrix = random_like((planes, count, count))
-        else:
-            matrix = torch.zeros(planes, count, count, device=device)
-            for position, layer in enumerate(sparse_layers[1:], start=1):
-                matrix[:, position, :position] = reduce(layer_sim[layer])
+        matrix = random_like((planes, count, count)) if random_generator is not None else layers_of(layer_sim)
 
     per_layer_heads = [head_copies] * count
     if scorings is not None:
         if per_sample:
             raise ValueError("a scoring budget plans one batch (per_sample False); accepted: per_sample with "
                              "scorings None")
-        per_layer_heads, layer_copies = budget_copies(None if stacked is None else stacked[:, 0],
-                                                      None if matrix is None else matrix[0], count, heads,
-                                                      head_copies, layer_copies, scorings, over_ranks)
+        order, held = (None if stacked is None else stacked[:, 0], None if matrix is None else matrix[0]), None
+        if halves is not None and random_generator is None:
+            order, held = [(heads_of(head_half)[:, 0] if head_copies else None,
+                            layers_of(layer_half)[0] if layer_copies else None) for head_half, layer_half in halves]
+        per_layer_heads, layer_copies = budget_copies(*order, count, heads, head_copies, layer_copies, scorings,
+                                                      over_ranks, held)
+        if held is not None and layer_copies:  # the layers the merge counted copy (its order's first), so the
+            copiers = torch.stack([copier for _, copier, _ in _greedy_pairs(order[1], layer_copies)])[:, 0]
+            allowed = torch.zeros(count, dtype=torch.bool, device=device)  # budget holds; paired on every row
+            allowed[copiers] = True
+            matrix = torch.where(allowed[None, :, None], matrix, torch.full_like(matrix, EMPTY))
     if head_copies:
         if threshold is None and scorings is None:
             head_source[sparse_layers] = greedy_sharing(stacked, head_copies)

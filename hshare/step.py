@@ -149,7 +149,8 @@ class StepPlanner:
             reserved final length stays below the dense fallback, so every decode step is dense and
             no selection metadata is ever built.
         head_similarity, layer_similarity, keep: the planner's evidence per sparse layer (prefill
-            keep-sets), until the plan is built.
+            keep-sets), until the plan is built; half_similarity: ``(head, layer)`` similarities of the even and
+            of the odd evidence rows (`build_plan`'s halves; filled under a scoring budget only).
         pending: what each sparse layer's last prefill left for its metadata (`hshare.prefill_metadata`).
         prefill_valid: the key validity the sparse layers of the running prefill forward share.
         counts: the host counters; work: the device ones (`hshare.counters`).
@@ -174,6 +175,8 @@ class StepPlanner:
     head_similarity: dict[int, torch.Tensor] = field(default_factory=dict)
     layer_similarity: dict[int, torch.Tensor] = field(default_factory=dict)
     keep: dict[int, torch.Tensor] = field(default_factory=dict)
+    half_similarity: tuple[tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]], ...] = field(
+        default_factory=lambda: (({}, {}), ({}, {})))
     pending: dict[int, prefill_metadata.PendingPrefill] = field(default_factory=dict)
     prefill_valid: tuple[tuple, torch.Tensor] | None = None
     counts: DecodeStats = field(default_factory=DecodeStats)
@@ -352,9 +355,11 @@ class StepPlanner:
                 config.sharing.layer, config.sharing.head, config.planner.scope == "sample", batch, cache.storage_device,
                 generator, config.planner.similarity if auto and config.planner.scorings is None else None,
                 config.planner.scorings, cache.heads.mean_over_ranks,
+                self.half_similarity if any(self.half_similarity[1]) else None,
             )
             self.counts.plans += 1
         self.head_similarity, self.layer_similarity, self.keep = {}, {}, {}
+        self.half_similarity = (({}, {}), ({}, {}))
         self._compile(plan, cache.sel_heads)
 
     def _compile(self, plan: SharingPlan, sel_heads: int) -> None:

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from hshare import planner as planner_module
 from hshare.planner import (budget_copies, build_plan, greedy_sharing, head_similarity, layer_overlaps,
                             sources_for_ratio)
 
@@ -174,6 +175,46 @@ def test_budget_copies_by_hand():
     assert budget_copies(heads, layers, 2, 3, 2, 1, 1.0) == ([0, 0], 0)
 
 
+def test_budget_copies_merge_by_held_out_similarities():
+    """Held-out evidence decides the merge, not the order: layer 0's best head pair reads 0.95 on the rows that
+    chose it and 0.2 on the others, the layer copy 0.9 on both, so at a budget of 4 of 6 pairs the layer copy goes
+    first (layer 0's two heads are left) instead of the head copy (then the layer copy: 2 pairs left)."""
+    heads = torch.stack([lower({(1, 0): 0.95, (2, 0): 0.2, (2, 1): 0.3}, 3), lower({(1, 0): 0.5, (2, 0): 0.1,
+                                                                                   (2, 1): 0.1}, 3)])
+    layers = lower({(1, 0): 0.9}, 2)
+    held = heads.clone()
+    held[0, 1, 0] = 0.2
+    assert budget_copies(heads, layers, 2, 3, 2, 1, 4 / 6) == ([1, 0], 1)
+    assert budget_copies(heads, layers, 2, 3, 2, 1, 4 / 6, held_out=(held, layers)) == ([0, 0], 1)
+    # the same evidence held out: the same counts as without
+    assert budget_copies(heads, layers, 2, 3, 2, 1, 4 / 6, held_out=(heads, layers)) == ([1, 0], 1)
+    # one pair to save, the layer copy weak on held-out rows: the best held-out head copy, layer 1's (0.5 > 0.2)
+    assert budget_copies(heads, layers, 2, 3, 2, 1, 0.9, held_out=(held, lower({(1, 0): 0.1}, 2))) == ([0, 1], 0)
+
+
+def test_budget_plans_on_noise_select_in_fewer_layers_with_held_out_evidence():
+    """Random keep-sets (a random-weight model's evidence: every pair alike but for noise): the best of a layer's
+    many head pairs overstates its similarity on the rows that chose it, so a budget merged on those rows spends
+    it on head copies spread over most layers; merged on held-out rows, layer copies take as much of it."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    generator = torch.Generator().manual_seed(seed)
+    count, heads, rows, n, k = 16, 16, 4, 512, 64
+    keep = [torch.rand(1, heads, rows, n, generator=generator).topk(k, -1).indices for _ in range(count)]
+
+    def similarities(keep):
+        head = torch.stack([head_similarity(kept, n)[0] for kept in keep])
+        layer = torch.zeros(count, count)
+        for i in range(1, count):
+            layer[i, :i] = layer_overlaps(keep[i], keep[:i], n)[0]
+        return head, layer
+
+    head_copies, layer_copies = heads - 5, count - 2
+    _, biased = budget_copies(*similarities(keep), count, heads, head_copies, layer_copies, 1 / 4)
+    _, held = budget_copies(*similarities([kept[:, :, 0::2] for kept in keep]), count, heads, head_copies,
+                            layer_copies, 1 / 4, held_out=similarities([kept[:, :, 1::2] for kept in keep]))
+    assert held > biased, f"seed {seed}: {held} layer copies held out, {biased} not"
+
+
 @pytest.mark.parametrize("scorings", [0.2, 0.35, 0.5, 0.75, 1.0])
 def test_budget_copies_equal_a_brute_force_merge(scorings):
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs each run; the seed reproduces a failure
@@ -217,6 +258,48 @@ def test_build_plan_meets_the_scoring_budget():
     with pytest.raises(ValueError, match="per_sample"):
         build_plan(head_sim, layer_sim, sparse, layers, heads, 1 / 8, 1 / 4, True, batch, torch.device("cpu"),
                    scorings=0.5)
+
+
+def test_build_plan_on_halves_meets_the_scoring_budget():
+    """With the evidence in halves the merge's counts are `budget_copies`' on the first half held out by the second;
+    the layers that copy are those it counted (so the budget holds), each paired with its most similar source on
+    every row, and each layer's head copies Algorithm 1's on every row at its count."""
+    layers, heads, batch = 8, 4, 2
+    sparse = [0, 1, 3, 4, 5, 6, 7]  # layer 2 dense
+    seed = int.from_bytes(os.urandom(4), "little")
+    generator = torch.Generator().manual_seed(seed)
+
+    def evidence():
+        return ({l: torch.rand(batch, heads, heads, generator=generator) for l in sparse},
+                {l: torch.rand(batch, i, generator=generator) for i, l in enumerate(sparse)})
+
+    def means(head_sim, layer_sim):
+        matrix = torch.zeros(len(sparse), len(sparse))
+        for i, l in enumerate(sparse[1:], start=1):
+            matrix[i, :i] = layer_sim[l].mean(0)
+        return torch.stack([head_sim[l].mean(0) for l in sparse]), matrix
+
+    every_row, first, second = evidence(), evidence(), evidence()
+    all_heads, all_layers = means(*every_row)
+    for scorings in (0.1, 0.25, 0.5, 0.8):
+        plan = build_plan(*every_row, sparse, layers, heads, 1 / 8, 1 / 4, False, batch, torch.device("cpu"),
+                          scorings=scorings, halves=(first, second))
+        counts, layer_copies = budget_copies(*means(*first), len(sparse), heads, 3, 6, scorings,
+                                             held_out=means(*second))
+        source = plan.layer_source[0, sparse]
+        copiers = {position for position in range(len(sparse)) if int(source[position]) != sparse[position]}
+        order = means(*first)[1]
+        counted = {int(order_copier) for order_copier in
+                   [copier[0] for _, copier, _ in planner_module._greedy_pairs(order, layer_copies)]}
+        assert copiers == counted, f"seed {seed}"
+        blanked = torch.where(torch.tensor([p in counted for p in range(len(sparse))])[:, None], all_layers,
+                              torch.full_like(all_layers, -1.0))
+        assert torch.equal(source, torch.tensor(sparse)[greedy_sharing(blanked, layer_copies)]), f"seed {seed}"
+        for position, l in enumerate(sparse):
+            assert torch.equal(plan.head_source[l, 0], greedy_sharing(all_heads[position], counts[position]))
+        selecting = sum(heads - counts[p] for p in range(len(sparse)) if p not in copiers)
+        bounded = all(c == 3 for c in counts) and layer_copies == 6
+        assert selecting <= scorings * len(sparse) * heads + 1e-9 or bounded, f"seed {seed}"
 
 
 def test_plan_summary_by_hand():

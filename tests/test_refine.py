@@ -715,6 +715,45 @@ def test_auto_planner_meets_a_scoring_budget(scorings):
     assert stats.score_computations == selecting * len(LENGTHS) * stats.selection_steps
 
 
+@pytest.mark.parametrize("rows,scorings", [(4, 0.5), (3, 0.5), (1, 0.5), (4, None)])
+def test_a_scoring_budget_plans_on_halves_of_the_evidence(monkeypatch, rows, scorings):
+    """Under a scoring budget with two evidence rows or more the planner hands `build_plan` each half's similarities
+    (the even rows', the odd rows'): every sparse layer's head similarities, and its layer overlaps with the layers
+    before it, those of `head_similarity` / `layer_overlaps` over the half's keep-sets; none with one row or without
+    a budget."""
+    from hshare import planner as planner_module
+    from hshare import step as step_module
+
+    model = tiny_llama(kv_heads=2, layers=4, heads=4)
+    ids, mask = left_padded(LENGTHS, torch.Generator().manual_seed(3))
+    seen = {}
+    build = step_module.build_plan
+
+    def recording(*args, **kwargs):
+        seen["halves"] = args[-1]
+        seen["keep"] = dict(cache.planner.keep)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "build_plan", recording)
+    options = dict(planner="auto", share_scorings=scorings) if scorings else dict(planner="auto")
+    with hshare.patched(model, "hshare-1_2-1_2-1_2", plan_rows=rows, layer_sharing="1/2", head_sharing="1/2",
+                        dense_fallback_mib=0, **options, **SMALL):
+        cache = hshare.new_cache(model)
+        greedy(model, ids, mask, new_tokens=3, **cache_kwarg(cache))
+    if rows == 1 or scorings is None:
+        assert seen["halves"] is None
+        return
+    keep, n = seen["keep"], cache.layers[0].keys.shape[2]
+    for start, (heads_half, layers_half) in enumerate(seen["halves"]):
+        assert sorted(heads_half) == [0, 1, 2, 3] and sorted(layers_half) == [0, 1, 2, 3]
+        for layer in range(4):
+            rows_half = keep[layer][:, :, start::2]
+            assert rows_half.shape[2] == (rows + 1 - start) // 2
+            assert torch.allclose(heads_half[layer], planner_module.head_similarity(rows_half, n))
+            earlier = [keep[i][:, :, start::2] for i in range(layer)]
+            assert torch.allclose(layers_half[layer], planner_module.layer_overlaps(rows_half, earlier, n))
+
+
 def test_a_scoring_budget_is_refused_where_it_cannot_hold():
     with pytest.raises(ConfigError, match="method 'auto' with scorings"):
         resolve_config("hshare-1_2-1_2-1_2", share_scorings=0.5)
