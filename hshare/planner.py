@@ -160,6 +160,17 @@ def budget_copies(head_similarity: torch.Tensor | None, layer_similarity: torch.
     Returns:
         ``(head copies per sparse layer [Ls], layer copies)``.
     """
+    head_taken, copiers = _budget_merge(head_similarity, layer_similarity, count, heads, head_copies, layer_copies,
+                                        scorings, over_ranks, held_out)
+    return head_taken, len(copiers)
+
+
+def _budget_merge(head_similarity: torch.Tensor | None, layer_similarity: torch.Tensor | None, count: int,
+                  heads: int, head_copies: int, layer_copies: int, scorings: float,
+                  over_ranks: Callable[[torch.Tensor], torch.Tensor] | None,
+                  held_out: tuple[torch.Tensor | None, torch.Tensor | None] | None) -> tuple[list[int], list[int]]:
+    """`budget_copies`, with the sparse-layer positions of the layers that copy (in the order taken) instead of
+    their count."""
     head_copies = head_copies if head_similarity is not None else 0
     layer_copies = layer_copies if layer_similarity is not None else 0
     held_heads, held_layers = held_out if held_out is not None else (head_similarity, layer_similarity)
@@ -190,7 +201,7 @@ def budget_copies(head_similarity: torch.Tensor | None, layer_similarity: torch.
             layer = -head_move[1]
             head_taken[layer] += 1
             selecting -= 1
-    return head_taken, layers_taken
+    return head_taken, layer_copier[:layers_taken]
 
 
 @dataclass
@@ -300,15 +311,16 @@ def build_plan(head_sim: dict[int, torch.Tensor], layer_sim: dict[int, torch.Ten
         if per_sample:
             raise ValueError("a scoring budget plans one batch (per_sample False); accepted: per_sample with "
                              "scorings None")
-        order, held = (None if stacked is None else stacked[:, 0], None if matrix is None else matrix[0]), None
+        order = (None if stacked is None else stacked[:, 0], None if matrix is None else matrix[0])
+        held = None
         if halves is not None and random_generator is None:
             order, held = [(heads_of(head_half)[:, 0] if head_copies else None,
                             layers_of(layer_half)[0] if layer_copies else None) for head_half, layer_half in halves]
-        per_layer_heads, layer_copies = budget_copies(*order, count, heads, head_copies, layer_copies, scorings,
-                                                      over_ranks, held)
-        if held is not None and layer_copies:  # the layers the merge counted copy (its order's first), so the
-            copiers = torch.stack([copier for _, copier, _ in _greedy_pairs(order[1], layer_copies)])[:, 0]
-            allowed = torch.zeros(count, dtype=torch.bool, device=device)  # budget holds; paired on every row
+        per_layer_heads, copiers = _budget_merge(*order, count, heads, head_copies, layer_copies, scorings,
+                                                 over_ranks, held)
+        layer_copies = len(copiers)
+        if layer_copies:  # the layers the merge counted copy (so the budget holds), each paired on every row
+            allowed = torch.zeros(count, dtype=torch.bool, device=device)
             allowed[copiers] = True
             matrix = torch.where(allowed[None, :, None], matrix, torch.full_like(matrix, EMPTY))
     if head_copies:
