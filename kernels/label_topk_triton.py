@@ -69,7 +69,9 @@ SINGLE_CHUNK = 8192  # the longest row of 4- or 8-bit labels one program scores 
 CHUNK = 4096  # columns per program of a longer row
 MAX_CHUNKS = 64  # longer rows take longer chunks (the bound L compares every sketch key with every chunk's)
 TAIL_TILE = 4096  # candidates per tile of the last program's search and writes, at least (`tail_tile`)
-MAX_TAIL_TILE = 8192  # at most: a wider register tile is not measured
+MAX_TAIL_TILE = 8192  # at most, but for the wide tile below
+WIDE_TAIL_TILE = 16384  # the last program's tile for heavy above 2,048 over more than WIDE_TAIL_CHUNKS chunks
+WIDE_TAIL_CHUNKS = 16
 MAX_CANDIDATES = 16384  # candidate columns per (row, head) that `candidate_label_topk_triton` holds in registers
 MAX_WALK_CANDIDATES = 8192  # the same for `candidate_label_walk_triton` (a register sort; wider ones: the twin)
 SCORE_TILE = 256  # candidates a program of a split scoring launch scores (`split_scoring`)
@@ -672,11 +674,21 @@ def chunk_size(n: int, bits: int) -> int:
     return max(CHUNK, triton.next_power_of_2(triton.cdiv(n, MAX_CHUNKS)))
 
 
-def tail_tile(heavy: int) -> int:
-    """Candidates a tile of a label top-k's last program holds: twice `heavy` (its candidates, the keys >= the bound
-    L, number from heavy to about twice as many), at least `TAIL_TILE` and at most `MAX_TAIL_TILE`. Where they fit
-    one tile its search and writes run in registers, else every pass reads the tiles again (from L2)."""
+def tail_tile(heavy: int, chunks: int) -> int:
+    """Candidates a tile of a label top-k's last program holds, for `heavy` over `chunks` chunks: twice `heavy` (its
+    candidates, the keys >= the bound L, number from heavy to about twice as many), at least `TAIL_TILE` and at most
+    `MAX_TAIL_TILE`; `WIDE_TAIL_TILE` for heavy above 2,048 over more than `WIDE_TAIL_CHUNKS` chunks (a 128k row:
+    the coarse sketch levels leave more than `MAX_TAIL_TILE` candidates). Where they fit one tile its search and
+    writes run in registers, else every pass reads the tiles again (from L2)."""
+    if heavy > 2048 and chunks > WIDE_TAIL_CHUNKS:
+        return WIDE_TAIL_TILE
     return min(MAX_TAIL_TILE, max(TAIL_TILE, triton.next_power_of_2(2 * heavy)))
+
+
+def select_warps(tile: int) -> int | None:
+    """Warps of a label top-k's select launch whose last program holds `tile` candidates: 16 for a tile of
+    `WIDE_TAIL_TILE` (8 warps spill it), else None (the sketch's warps)."""
+    return 16 if tile >= WIDE_TAIL_TILE else None
 
 
 def split_scoring(programs: int, sms: int, walk: bool = False) -> bool:
@@ -818,7 +830,7 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     window_t = window_t if has_window else rows
     size = chunk or chunk_size(n, bits)
     chunks = triton.cdiv(n, size)
-    tile = tile or tail_tile(heavy)
+    tile = tile or tail_tile(heavy, chunks)
     row_heads = count * n_heads
     levels = sketch_levels(heavy, chunks)
     common = dict(
@@ -852,7 +864,8 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     _label_topk_select[(row_heads, chunks)](
         sketch, done, lists, cand, out, key_out, heavy, chunk_cap, cand_stride, key_stride,
         CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), LEVELS_=LEVELS, SKETCH_=SKETCH, TILE=tile,
-        LIST_PAD=max(16, triton.next_power_of_2(chunk_cap)), KEYS=keys is not None, num_warps=tail_warps or warps,
+        LIST_PAD=max(16, triton.next_power_of_2(chunk_cap)), KEYS=keys is not None,
+        num_warps=tail_warps or select_warps(tile) or warps,
         **options,
         **pdl_options(out.device),
     )

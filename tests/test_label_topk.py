@@ -334,12 +334,49 @@ def test_a_4k_prompts_cache_is_one_program(monkeypatch, bits, n, programs):
 
 def test_tail_tile_by_hand():
     """A label top-k's last program holds twice heavy candidates a tile, 4,096 to 8,192: the presets' heavy up to
-    N_c 1024 in one tile of 4,096, the 3,776 candidates of `candidates=4` at N_c 1024 in one of 8,192."""
+    N_c 1024 in one tile of 4,096, the 3,776 candidates of `candidates=4` at N_c 1024 in one of 8,192; over more
+    than 16 chunks (a 128k row) heavy above 2,048 in one of 16,384, on 16 warps."""
     triton_or_skip()
-    from hshare.kernels.label_topk_triton import tail_tile
+    from hshare.kernels.label_topk_triton import select_warps, tail_tile
 
-    assert [tail_tile(h) for h in (1, 88, 432, 944, 1728, 2048)] == [4096] * 6
-    assert [tail_tile(h) for h in (2049, 3776, 7872, 16000)] == [8192] * 4
+    assert [tail_tile(h, 9) for h in (1, 88, 432, 944, 1728, 2048)] == [4096] * 6
+    assert [tail_tile(h, 9) for h in (2049, 3776, 7872, 16000)] == [8192] * 4
+    assert [tail_tile(h, 16) for h in (2048, 3776)] == [4096, 8192]
+    assert [tail_tile(h, 33) for h in (944, 2048, 2049, 3776)] == [4096, 4096, 16384, 16384]
+    assert [select_warps(t) for t in (4096, 8192, 16384)] == [None, None, 16]
+
+
+def test_a_wide_selection_over_many_chunks_takes_the_wide_tile(monkeypatch):
+    """Heavy above 2,048 over more than 16 chunks: the select launch holds its last program's candidates in a tile of
+    16,384 on 16 warps; the columns are the twin's (and valid against brute force), and the default tile's."""
+    triton_or_skip()
+    from hshare.kernels import label_topk_triton
+
+    monkeypatch.setattr(label_topk_triton, "CHUNK", 128)
+    monkeypatch.setattr(label_topk_triton, "SINGLE_CHUNK", 128)
+    launches, select = [], label_topk_triton._label_topk_select
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid[1], kwargs["TILE"], kwargs["num_warps"]))
+                return select[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(label_topk_triton, "_label_topk_select", Recorder())
+    heavy, n = 2100, 2560  # 20 chunks of 128
+    query, channels, codes, scale, zero, rows, heads, selectable = walk_selection_case(4, torch.float32, n, 12)
+    rows, heads, selectable = rows[:1], heads[:1, :1], selectable[:1]
+    got = run_triton(None, codes, scale, zero, 4, heavy, rows, heads, None, selectable, query=query, channels=channels)
+    assert launches == [(20, 16384, 16)]
+    narrow = run_triton(None, codes, scale, zero, 4, heavy, rows, heads, None, selectable, query=query,
+                        channels=channels, tile=8192)
+    assert torch.equal(got, narrow)
+    labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
+    check_selection(got, brute_force_scores(labels, codes, scale, zero, 4, rows, heads), selectable, heavy, tol=1e-4)
+    if DEVICE == "cpu":
+        want = decode_label_topk_torch(query, channels, codes, scale, zero, 4, heavy, None, selectable, rows, heads)
+        assert torch.equal(got, want)
 
 
 def test_split_scoring_by_hand():
