@@ -37,6 +37,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _presets(args: argparse.Namespace) -> int:
+    from fractions import Fraction
+
     from hshare.config import HShareConfig, preset_names
 
     names = preset_names()
@@ -49,8 +51,12 @@ def _presets(args: argparse.Namespace) -> int:
         refine += " by exact logits" if c.candidate_count and s.refine_by == "keys" else ""
         refine += " at selection steps" if c.candidate_count and not s.refine_steps else ""
         refine += (" with successors" if c.candidate_count else ", heavy with successors") if s.successors else ""
-        detail = (f"N_c {b.total} = {b.sink}+{b.local}+{b.heavy}, sharing {s.layer:g}-{s.head:g}-{s.query:g}{refine}, "
-                  f"{scores}") if c.sparse else "exact dense"
+        sharing = f"sharing {s.layer:g}-{s.head:g}-{s.query:g}"
+        if c.planner.scorings is not None:
+            ratio = lambda x: str(Fraction(x).limit_denominator(64))  # noqa: E731
+            sharing = (f"auto planner: at most {ratio(c.planner.scorings)} of the (layer, head) pairs selecting "
+                       f"(bounds layer {ratio(s.layer)}, head {ratio(s.head)}), query {ratio(s.query)}")
+        detail = f"N_c {b.total} = {b.sink}+{b.local}+{b.heavy}, {sharing}{refine}, {scores}" if c.sparse else "exact dense"
         print(f"{name:<{width}}{detail}")
     return 0
 

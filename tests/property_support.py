@@ -155,7 +155,8 @@ def config_overrides(draw, preset: str, spec: ModelSpec, budget: int | None = No
             heavy = budget - sink - local
     out = dict(sink=sink, local=local, heavy=heavy,
                selection="kv_head" if keys else draw(st.sampled_from(["kv_head", "query_head"])),
-               plan_scope=draw(st.sampled_from(["batch", "sample"])))
+               # a scoring budget counts the copies of one plan for the batch
+               plan_scope="batch" if base.planner.scorings else draw(st.sampled_from(["batch", "sample"])))
     if keys and heavy == 0:  # a budget of sink and one local token: no candidates to rank
         out["refine_by"] = "labels"
     if draw(st.booleans()):  # query groups other than the preset's

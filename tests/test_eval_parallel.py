@@ -248,6 +248,8 @@ def test_data_parallel_ranks_load_the_embedded_model_from_its_converted_director
 def test_python_m_hshare_is_the_command():
     proc = subprocess.run([sys.executable, "-m", "hshare", "presets"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.splitlines()[0].startswith("dense")
+    auto = next(line for line in proc.stdout.splitlines() if line.startswith("hshare-auto "))
+    assert "auto planner: at most 1/4 of the (layer, head) pairs selecting (bounds layer 1/8, head 1/3)" in auto
 
 
 # ---- parallelize=True: one model split over devices ------------------------------------------------

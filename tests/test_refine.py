@@ -715,6 +715,26 @@ def test_auto_planner_meets_a_scoring_budget(scorings):
     assert stats.score_computations == selecting * len(LENGTHS) * stats.selection_steps
 
 
+def test_the_auto_preset_meets_its_budget_and_refines_the_shared_candidates():
+    """`hshare-auto`: the C = 4 refinement with the auto planner under a scoring budget of 1/4. Of 8 layers x 4 heads
+    (MHA) at most 8 pairs score the whole context (a copy saves at most a layer's 4), every selection step scores
+    exactly those, and every other (layer, head) pair refines the candidates it shares at every sparse step."""
+    model = tiny_llama(kv_heads=4, layers=8, heads=4)
+    ids, mask = left_padded(LENGTHS, torch.Generator().manual_seed(5))
+    with hshare.patched(model, "hshare-auto", dense_fallback_mib=0, **SMALL):
+        cache = hshare.new_cache(model)
+        greedy(model, ids, mask, new_tokens=5, **cache_kwarg(cache))
+    plan, stats = cache.planner.sharing, cache.stats
+    assert cache.config.planner.method == "auto" and cache.config.planner.scorings == 0.25
+    assert cache.config.candidate_count == 4 * SMALL["heavy"] and cache.config.sharing.successors
+    selecting = sum(int((plan.head_source[layer, 0] == torch.arange(4)).sum()) for layer in range(8)
+                    if int(plan.layer_source[0, layer]) == layer)
+    assert 8 - 4 < selecting <= 8
+    assert stats.score_computations == selecting * len(LENGTHS) * stats.selection_steps
+    # every pair refines at every sparse step but the selecting pairs at their selection steps
+    assert stats.refinements == len(LENGTHS) * (32 * stats.sparse_steps - selecting * stats.selection_steps)
+
+
 @pytest.mark.parametrize("rows,scorings", [(4, 0.5), (3, 0.5), (1, 0.5), (4, None)])
 def test_a_scoring_budget_plans_on_halves_of_the_evidence(monkeypatch, rows, scorings):
     """Under a scoring budget with two evidence rows or more the planner hands `build_plan` each half's similarities

@@ -64,7 +64,7 @@ def _same_work(static_cache, eager_cache) -> None:
     ("quest", dict(SPARSE, page_size=4)),
     ("quest-1_2-1_2-1_2", dict(SPARSE, page_size=3)),
     ("hshare-1_2-1_2-1_2", dict(SPARSE, planner="auto", share_scorings="1/2", layer_sharing="1/4")),
-    ("hshare-refine-successors-c4", dict(SPARSE, planner="auto", share_scorings="3/8", layer_sharing="1/4")),
+    ("hshare-auto", SPARSE),  # the C = 4 refinement, auto planner, scoring budget 1/4
 ])
 def test_static_shapes_equal_eager(preset, overrides):
     model = tiny_llama(kv_heads=2, layers=4)
