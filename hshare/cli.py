@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from fractions import Fraction
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -36,9 +37,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _presets(args: argparse.Namespace) -> int:
-    from fractions import Fraction
+def _ratio(value: float) -> str:
+    """A sharing ratio or budget as the fraction it was written as (0.25 -> '1/4')."""
+    return str(Fraction(value).limit_denominator(64))
 
+
+def _presets(args: argparse.Namespace) -> int:
     from hshare.config import HShareConfig, preset_names
 
     names = preset_names()
@@ -53,9 +57,8 @@ def _presets(args: argparse.Namespace) -> int:
         refine += (" with successors" if c.candidate_count else ", heavy with successors") if s.successors else ""
         sharing = f"sharing {s.layer:g}-{s.head:g}-{s.query:g}"
         if c.planner.scorings is not None:
-            ratio = lambda x: str(Fraction(x).limit_denominator(64))  # noqa: E731
-            sharing = (f"auto planner: at most {ratio(c.planner.scorings)} of the (layer, head) pairs selecting "
-                       f"(bounds layer {ratio(s.layer)}, head {ratio(s.head)}), query {ratio(s.query)}")
+            sharing = (f"auto planner: at most {_ratio(c.planner.scorings)} of the (layer, head) pairs selecting "
+                       f"(bounds layer {_ratio(s.layer)}, head {_ratio(s.head)}), query {_ratio(s.query)}")
         detail = f"N_c {b.total} = {b.sink}+{b.local}+{b.heavy}, {sharing}{refine}, {scores}" if c.sparse else "exact dense"
         print(f"{name:<{width}}{detail}")
     return 0
