@@ -130,18 +130,18 @@ def record_evidence(cache: HShareCache, planner: StepPlanner, layer_idx: int, qu
     scores = layer.policy.prefill_scores(query)  # [B, H_sel, W, n]
     # the top `heavy` with successors too: the plan pairs heads and layers by what they rank
     keep = select_heavy(scores, middle[:, None], config.budget.heavy)
-    # with a scoring budget and two rows or more, each half of the rows too (`build_plan`'s halves: the budget
-    # orders copies on the even rows and merges them by the odd rows' similarities)
-    halves = (keep[:, :, 0::2], keep[:, :, 1::2]) if config.planner.scorings is not None and rows > 1 else ()
-    if config.sharing.head < 1:
-        planner.head_similarity[layer_idx] = head_similarity(keep, kv_len)
-        for half, rows_half in zip(planner.half_similarity, halves):
-            half[0][layer_idx] = head_similarity(rows_half, kv_len)
+    # the similarities on every evidence row, and with a scoring budget and two rows or more on each half of them
+    # (`build_plan`'s halves: the budget orders copies on the even rows and merges them by the odd rows')
+    targets = [((planner.head_similarity, planner.layer_similarity), slice(None))]
+    if config.planner.scorings is not None and rows > 1:
+        targets += [(half, slice(start, None, 2)) for start, half in enumerate(planner.half_similarity)]
+    earlier = planner.earlier_keep_sets(layer_idx) if config.sharing.layer < 1 else []
+    for (heads_out, layers_out), rows_of in targets:
+        rows_keep = keep[:, :, rows_of]
+        if config.sharing.head < 1:
+            heads_out[layer_idx] = head_similarity(rows_keep, kv_len)
+        if config.sharing.layer < 1:  # one layer plan for all ranks
+            overlaps = layer_overlaps(rows_keep, [kept[:, :, rows_of] for kept in earlier], kv_len)
+            layers_out[layer_idx] = cache.heads.mean_over_ranks(overlaps)
     if config.sharing.layer < 1:
-        earlier = planner.earlier_keep_sets(layer_idx)
-        overlaps = layer_overlaps(keep, earlier, kv_len)
-        planner.layer_similarity[layer_idx] = cache.heads.mean_over_ranks(overlaps)  # one layer plan for all ranks
-        for start, (half, rows_half) in enumerate(zip(planner.half_similarity, halves)):
-            overlaps = layer_overlaps(rows_half, [k[:, :, start::2] for k in earlier], kv_len)
-            half[1][layer_idx] = cache.heads.mean_over_ranks(overlaps)
         planner.keep[layer_idx] = keep
