@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--data-dir", help="directory with gsm8k/test.jsonl (default: 8 built-in questions)")
     demo.add_argument("--questions", type=int, default=6, help="batch size (default 6)")
     demo.add_argument("--new-tokens", type=int, default=40, help="tokens to generate (default 40)")
-    demo.add_argument("--presets", help="comma-separated presets (default: dense and the paper's presets)")
+    demo.add_argument("--presets", help="comma-separated presets, each with optional +FIELD=VALUE options and "
+                      "+prefix (default: dense, streaming, ds, the sharing presets, and hshare-auto with and without "
+                      "group_lookahead)")
     demo.add_argument("--threads", type=int, help="torch CPU threads")
     demo.set_defaults(run=_demo)
 

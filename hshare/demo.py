@@ -22,10 +22,12 @@ from tqdm.auto import tqdm
 
 import hshare
 from hshare import compat
+from hshare.config import resolve_config
 from hshare.default_model import load_default_model
 
+# a preset may carry overrides (`hshare.config.split_overrides`) and "+prefix" (the shared prefix held once)
 DEMO_PRESETS = ("dense", "dense+prefix", "streaming", "ds", "hshare-7_8-3_4-1_2", "hshare-successors",
-                "hshare-1_2-1_2-1_2")
+                "hshare-1_2-1_2-1_2", "hshare-auto", "hshare-auto+group_lookahead=true")
 PREFIX_SUFFIX = "+prefix"  # "<preset>+prefix": the preset with the prompts' shared prefix held once
 ONE_SHOT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -170,15 +172,17 @@ def run_demo(data_dir: str | None = None, questions: int = 6, new_tokens: int = 
 
     dense = next((r for r in results if r.preset == "dense"), results[0])
     gold = [gsm8k_gold(row.get("answer", "")) for row in rows]
-    header = (f"{'preset':<22}{'N_c':>5}{'tok/s':>8}{'agree':>7}{'diverge':>8}{'acc':>6}"
+    width = max(22, *(len(result.preset) + 2 for result in results))
+    header = (f"{'preset':<{width}}{'N_c':>5}{'tok/s':>8}{'agree':>7}{'diverge':>8}{'acc':>6}"
               f"{'KV MiB':>8}{'label MiB':>10}{'scores':>9}")
     print("\n" + header + "\n" + "-" * len(header))
     for result in results:
-        config = hshare.HShareConfig.from_preset(_split_preset(result.preset)[0])
+        config = resolve_config(_split_preset(result.preset)[0])
         texts = tokenizer.batch_decode(result.new_tokens, skip_special_tokens=True)
         correct = sum(last_number(text) == g for text, g in zip(texts, gold) if g is not None)
         tokens = int((result.new_tokens != tokenizer.pad_token_id).sum())
-        print(f"{result.preset:<22}{config.budget.total if config.sparse else '-':>5}{tokens / result.seconds:>8.1f}"
+        budget = config.budget.total if config.sparse else "-"
+        print(f"{result.preset:<{width}}{budget:>5}{tokens / result.seconds:>8.1f}"
               f"{token_agreement(result.new_tokens, dense.new_tokens, tokenizer.pad_token_id):>7.2f}"
               f"{common_prefix_tokens(result.new_tokens, dense.new_tokens):>8.1f}"
               f"{correct / max(len(gold), 1):>6.2f}{_mib(result.kv_bytes):>8}{_mib(result.label_bytes):>10}"

@@ -21,9 +21,10 @@ pytestmark = [
 
 
 def test_demo_path_on_smollm2(capsys):
-    results = run_demo(questions=3, new_tokens=12, presets=("dense", "dense+prefix", "hshare-1_2-1_2-1_2"))
+    sparse_preset = "hshare-1_2-1_2-1_2+group_lookahead=true"  # a preset with an option, as --presets takes it
+    results = run_demo(questions=3, new_tokens=12, presets=("dense", "dense+prefix", sparse_preset))
     out = capsys.readouterr().out
-    assert "hshare-1_2-1_2-1_2" in out and "dense+prefix" in out and "tok/s" in out
+    assert sparse_preset in out and "dense+prefix" in out and "tok/s" in out
     dense, shared, sparse = results
     assert dense.new_tokens.shape == sparse.new_tokens.shape == (3, 12)
     assert sparse.label_bytes > 0 and dense.label_bytes == 0 and sparse.score_computations > 0

@@ -309,6 +309,7 @@ def _record(monkeypatch) -> list[dict]:
     ("hshare-1_2-1_2-1_2", "off", dict(plan_scope="sample", group_lookahead=True)),
     ("hshare-1_2-1_2-1_2", "on", {}),
     ("hshare-1_2-1_2-1_2", "off", dict(successors=True)),
+    ("hshare-1_2-1_2-1_2", "on", dict(successors=True, group_lookahead=True)),
     ("ds", "on", dict(successors=True)),
     ("hshare-1_2-1_2-1_2", "off", dict(refine_by="keys")),
     ("hshare-1_2-1_2-1_2", "on", dict(refine_by="keys", successors=True)),
