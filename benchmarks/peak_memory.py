@@ -26,7 +26,7 @@ import torch
 import hshare
 from hshare.bench.generate import build_model
 
-OWN_FRAMES = ("hshare/", "transformers/", "kernels/")
+OWN_FRAMES = ("hshare/", "transformers/")
 
 
 def site(frames: list[dict]) -> str:

@@ -31,7 +31,8 @@ from hshare import prefill_metadata
 from hshare.cache import HShareCache, HShareLayer
 from hshare.step import DecodeStep
 from hshare.heads import head_shard
-from hshare.kernels import attention_with_lse, gather_attention, merge_attention_states, split_decode_attention
+from hshare.kernels import (CriticalWindows, attention_with_lse, gather_attention, merge_attention_states,
+                            split_decode_attention)
 from hshare.refine import Refine, refine_by_keys, select_candidates
 from hshare.selection import NO_TOKEN, per_head, valid_columns_from_mask
 from hshare.sparse_prefill import sparse_prefill_attention
@@ -80,20 +81,26 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             return _dense_decode(query, key, value, step.valid, scaling), None
         return _decode_attention(cache, layer_idx, query, key, value, step.own_columns, scaling), None
     by_keys = refine_by_keys(key) if cache.config.sharing.refine_by == "keys" else None
+    dense = step.windows.all_short and cache.prefix is None  # every row fits the budget: exact dense attention
+    # the critical indices' operands; a refinement of every row and head writes them in its own launch
+    critical = None if dense else step.windows.critical_windows(planner.work.rows_read(query.device))
+    indices = None
     if step.selecting:
         if cache.config.candidate_count:
-            _select_candidates(cache, step, layer_idx, query, by_keys)
+            indices = _select_candidates(cache, step, layer_idx, query, by_keys, critical)
         else:
             _keep(cache, layer, "heavy", _select_heavy_columns(cache, step, layer_idx, query))
     elif layer.candidates is not None and cache.config.sharing.refine_steps:  # refined with this step's query
-        _refine(cache, layer, _refinement(layer, by_keys), query[:, :, 0], layer.candidates, step.windows.middle)
+        indices = _refine(cache, layer, _refinement(layer, by_keys), query[:, :, 0], layer.candidates,
+                          step.windows.middle, critical)
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
         layer.heavy = torch.full((query.shape[0], cache.sel_heads, cache.config.budget.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
-    if step.windows.all_short and cache.prefix is None:  # every row fits the budget: exact dense attention
+    if dense:
         planner.work.add_dense_layer()
         return _dense_decode(query, key, value, step.valid, scaling), None
-    indices = step.windows.critical_indices(layer.heavy, count=planner.work.rows_read(query.device))
+    if indices is None:
+        indices = critical.indices(layer.heavy)
     return _decode_attention(cache, layer_idx, query, key, value, indices, scaling), None
 
 
@@ -157,19 +164,23 @@ def _refinement(layer: HShareLayer, by_keys: Refine | None) -> Refine:
 
 
 def _refine(cache: HShareCache, layer: HShareLayer, refine: Refine, query: torch.Tensor, candidates: torch.Tensor,
-            window: torch.Tensor) -> None:
+            window: torch.Tensor, critical: CriticalWindows | None) -> torch.Tensor | None:
     """Keep as the layer's heavy columns ``[B, H_sel, heavy]`` the best of every selection head's `candidates`
     ``[B, H_sel, C]`` in the `window` ``[B, n]`` by its own decode `query` ``[B, Hq, d]`` (`refine`, `_refinement`).
     With static shapes they are written into the layer's own buffer in place (made at the first refinement, so that a
-    captured step refines as its eager warm-up did)."""
+    captured step refines as its eager warm-up did). Returns their critical indices ``[B, H_sel, N_c]`` for the
+    step's `critical` windows, made by the refinement (on CUDA in its own launch), or None without them."""
     heavy = cache.config.budget.heavy
     if cache.static is None:
-        layer.heavy = refine(query, candidates, window, heavy)
-        return
-    shape = (*candidates.shape[:2], heavy)
-    if layer.heavy is None or layer.heavy.shape != shape:
-        layer.heavy = torch.empty(shape, dtype=torch.long, device=candidates.device)
-    refine(query, candidates, window, heavy, heads=cache.planner.every_head, out=layer.heavy)
+        refined = refine(query, candidates, window, heavy, critical=critical)
+    else:
+        shape = (*candidates.shape[:2], heavy)
+        if layer.heavy is None or layer.heavy.shape != shape:
+            layer.heavy = torch.empty(shape, dtype=torch.long, device=candidates.device)
+        refined = refine(query, candidates, window, heavy, heads=cache.planner.every_head, out=layer.heavy,
+                         critical=critical)
+    layer.heavy, indices = (refined, None) if critical is None else refined
+    return indices
 
 
 def _decode_attention(cache: HShareCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
@@ -240,9 +251,10 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
 
 
 def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, query: torch.Tensor,
-                       by_keys: Refine | None) -> None:
+                       by_keys: Refine | None, critical: CriticalWindows | None) -> torch.Tensor | None:
     """Keep the heavy columns ``[B, H_sel, heavy]`` and candidates ``[B, H_sel, C]`` of one layer at a selection
-    step with candidate-set refinement (`SharingConfig.candidates`) for its query group.
+    step with candidate-set refinement (`SharingConfig.candidates`) for its query group. Returns the step's critical
+    indices (`critical`) where a refinement of every row made them (`_refine`), else None.
 
     The rows for which this layer is a source score every column with its source heads and keep their top C
     as candidates, and the top `heavy` of those as their heavy columns; copying heads take their source
@@ -272,8 +284,7 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
         source = cache.layers[source_layer].candidates
         if copy_rows is None:  # every row (the layer's only group)
             layer.candidates = source
-            _refine(cache, layer, refine, decode_query, source, window)
-            return
+            return _refine(cache, layer, refine, decode_query, source, window, critical)
         if heavy is None:
             heavy = torch.full((batch, cache.sel_heads, kept), NO_TOKEN, dtype=torch.long, device=query.device)
             candidates = torch.full_like(source, NO_TOKEN)
@@ -282,6 +293,7 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
                                   rows=copy_rows)
     _keep(cache, layer, "heavy", heavy)
     _keep(cache, layer, "candidates", candidates)
+    return None
 
 
 def _source_rows(share, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,9 +18,9 @@ import torch
 
 from hshare.channels import dynamic_channels, resolve_calibration
 from hshare.config import ConfigError, HShareConfig, PolicyConfig, check_choice, check_int
-from hshare.kernels import (append_labels, candidate_label_scores, candidate_label_topk, decode_label_scores,
-                            decode_label_topk, decode_label_topk_walk, label_scores, label_storage_dtype, query_labels,
-                            use_triton)
+from hshare.kernels import (CriticalWindows, append_labels, candidate_label_scores, candidate_label_topk,
+                            decode_label_scores, decode_label_topk, decode_label_topk_walk, label_scores,
+                            label_storage_dtype, query_labels, use_triton)
 from hshare.policy import SelectionPolicy, register_policy
 
 if TYPE_CHECKING:
@@ -212,12 +212,14 @@ class LabelCache(SelectionPolicy):
 
     def candidate_heavy(self, query: torch.Tensor, candidates: torch.Tensor, window: torch.Tensor, heavy: int,
                         rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, critical: CriticalWindows | None = None
+                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The candidates' label scores and their top `heavy` in one operation (`kernels.candidate_label_topk`;
         CUDA: one launch, the ``[B', H', C]`` scores never written; with `out`, each head's candidates read and
-        its columns written at its own head's entries)."""
+        its columns written at its own head's entries; with `critical`, the critical indices written by the same
+        launch)."""
         return candidate_label_topk(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
-                                    self.bits, heavy, candidates, window, rows, heads, out=out)
+                                    self.bits, heavy, candidates, window, rows, heads, out=out, critical=critical)
 
     def candidate_scores(self, query: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | None = None,
                          heads: torch.Tensor | None = None) -> torch.Tensor:

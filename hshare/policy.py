@@ -29,7 +29,7 @@ import torch
 
 from hshare.buffer import GrowingBuffer
 from hshare.config import ConfigError, HShareConfig, PolicyConfig
-from hshare.kernels import NO_TOKEN, select_heavy, with_successors
+from hshare.kernels import NO_TOKEN, CriticalWindows, select_heavy, with_critical, with_successors
 from hshare.kernels.selection_heads import kv_heads_read, pick_heads, refine_into
 
 if TYPE_CHECKING:
@@ -193,19 +193,23 @@ class SelectionPolicy(ABC):
 
     def candidate_heavy(self, query: torch.Tensor, candidates: torch.Tensor, window: torch.Tensor, heavy: int,
                         rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, critical: CriticalWindows | None = None
+                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The heavy columns ``[B', H', heavy]`` of a refinement: the `heavy` best candidates ``[B', H', C]``
         (negative entries: none) that lie in the window ``[B', n]`` (bool), by this query's own
         `candidate_scores`, for the decode query ``[B, Hq, d]`` of rows ``[B']`` (None = all) and selection
         heads ``[B' or 1, H']`` (None = all); ``NO_TOKEN`` where fewer are allowed. The set is the contract.
         With `out` ``[B', H_sel, heavy]`` (and `heads`), `candidates` are every selection head's
         ``[B', H_sel, C]``: the heads refine their own and write their rows of `out` in place (returned).
+        With `critical` (the step's windows, where every row and selection head refines):
+        ``(columns, critical.indices(columns))``, the decode's critical indices too.
         A policy that scores and selects candidates in one pass overrides it."""
         def refine(own: torch.Tensor) -> torch.Tensor:
             allowed = (own >= 0) & window[:, None].expand(-1, own.shape[1], -1).gather(-1, own.clamp(min=0))
             return top_candidates(self.candidate_scores(query, own, rows, heads), own, allowed, heavy)
 
-        return refine(candidates) if out is None else refine_into(out, candidates, heads, refine)
+        return with_critical(refine(candidates) if out is None else refine_into(out, candidates, heads, refine),
+                             critical)
 
     def write(self, column: torch.Tensor, keys: torch.Tensor) -> None:
         """Static shapes: the metadata of the key at the column held in the ``[1]`` int64 device

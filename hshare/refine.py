@@ -23,13 +23,14 @@ from typing import Callable
 
 import torch
 
-from hshare.kernels import candidate_key_topk
+from hshare.kernels import CriticalWindows, candidate_key_topk
 from hshare.policy import SelectionPolicy, top_candidates
 from hshare.selection import per_head, select_heavy
 
-# (query [B, Hq, d], candidates [B', H', C], window [B', n], heavy, rows=None, heads=None, out=None) -> [B', H', heavy]
-# int64 columns: `SelectionPolicy.candidate_heavy`'s contract
-Refine = Callable[..., torch.Tensor]
+# (query [B, Hq, d], candidates [B', H', C], window [B', n], heavy, rows=None, heads=None, out=None, critical=None)
+# -> [B', H', heavy] int64 columns, or with `critical` (columns, their critical indices [B, H_sel, N_c]):
+# `SelectionPolicy.candidate_heavy`'s contract
+Refine = Callable[..., "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 
 def refine_by_keys(keys: torch.Tensor) -> Refine:
@@ -38,9 +39,9 @@ def refine_by_keys(keys: torch.Tensor) -> Refine:
     query group (`kernels.candidate_key_topk`: C key rows read a (row, head))."""
 
     def refine(query: torch.Tensor, candidates: torch.Tensor, window: torch.Tensor, heavy: int,
-               rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        return candidate_key_topk(query, keys, heavy, candidates, window, rows, heads, out=out)
+               rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               critical: CriticalWindows | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return candidate_key_topk(query, keys, heavy, candidates, window, rows, heads, out=out, critical=critical)
     return refine
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hshare.kernels import NO_TOKEN, critical_indices, select_heavy, with_successors  # noqa: F401 (re-exported)
+from hshare.kernels import NO_TOKEN, CriticalWindows, critical_indices, select_heavy, with_successors  # noqa: F401 (re-exported)
 
 
 def valid_columns_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int, query_rows: int,
@@ -180,7 +180,12 @@ class RowWindows:
         Returns:
             ``[B, H, N_c]`` integer columns; short rows get all their valid columns.
         """
-        return critical_indices(heavy, self.sink, self.local, self.dense, self.middle, self.short, count)
+        return self.critical_windows(count).indices(heavy)
+
+    def critical_windows(self, count: torch.Tensor | None = None) -> CriticalWindows:
+        """The windows `critical_indices` takes (with the work counter `count`), for a refinement that writes the
+        critical indices of its heavy columns itself (`SelectionPolicy.candidate_heavy`'s `critical`)."""
+        return CriticalWindows(self.sink, self.local, self.dense, self.middle, self.short, count)
 
 
 def prefill_middle_windows(valid_rows: torch.Tensor, sink: int, local: int) -> torch.Tensor:

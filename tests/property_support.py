@@ -454,7 +454,8 @@ def check_successor_walk(columns: torch.Tensor, scores: torch.Tensor, window: to
 
 
 class SelectionSpy:
-    """Checks every call of `RowWindows.critical_indices` and of a selection's `select_heavy` (a policy's
+    """Checks every step's critical indices (`RowWindows.critical_windows`' indices, made apart or by a refinement)
+    and every call of a selection's `select_heavy` (a policy's
     `decode_heavy` on CPU, candidate sets and refinements) while active (each against the vectorized
     brute force), and the key validity the step was given against `expected_valid(kv_len)` when
     provided."""
@@ -476,18 +477,26 @@ class SelectionSpy:
         import hshare.refine as refine
         from hshare.selection import RowWindows
 
-        original_critical = RowWindows.critical_indices
+        from hshare.kernels import CriticalWindows
+
+        original_critical_windows = RowWindows.critical_windows
         original_select = policy.select_heavy
         spy = self
 
-        def critical(windows, heavy, count=None):
-            out = original_critical(windows, heavy, count)
-            spy.critical_calls += 1
-            if spy.expected_valid is not None:
-                want = spy.expected_valid(windows.valid.shape[1])
-                assert torch.equal(windows.valid.cpu(), want), "decode step read the wrong key validity"
-            check_critical_indices(windows.valid.cpu(), heavy.cpu(), out.cpu(), spy.sink, spy.local, spy.budget)
-            return out
+        def critical_windows(windows, count=None):
+            """The step's critical windows, whose indices (built apart or by a refinement) are checked against the
+            brute force over the step's key validity."""
+            class Checked(CriticalWindows):
+                def indices(self, heavy):
+                    out = CriticalWindows.indices(self, heavy)
+                    spy.critical_calls += 1
+                    if spy.expected_valid is not None:
+                        want = spy.expected_valid(windows.valid.shape[1])
+                        assert torch.equal(windows.valid.cpu(), want), "decode step read the wrong key validity"
+                    check_critical_indices(windows.valid.cpu(), heavy.cpu(), out.cpu(), spy.sink, spy.local,
+                                           spy.budget)
+                    return out
+            return Checked(*original_critical_windows(windows, count))
 
         def select(scores, middle, heavy):
             out = original_select(scores, middle, heavy)
@@ -506,10 +515,12 @@ class SelectionSpy:
             return decode_heavy
 
         def checked_candidate_heavy(original):
-            def candidate_heavy(self, query, candidates, window, heavy, rows=None, heads=None, out=None):
-                result = original(self, query, candidates, window, heavy, rows, heads, out=out)
+            def candidate_heavy(self, query, candidates, window, heavy, rows=None, heads=None, out=None,
+                                critical=None):
+                refined = original(self, query, candidates, window, heavy, rows, heads, out=out, critical=critical)
                 spy.select_calls += 1
                 assert heavy == spy.heavy
+                result = refined if critical is None else refined[0]  # with the step's windows: and its indices
                 chosen = result
                 if out is not None:  # in place: the heads' own entries of every head's candidates and of `out`
                     index = heads.expand(candidates.shape[0], -1)[..., None]
@@ -524,7 +535,7 @@ class SelectionSpy:
                 allowed = torch.zeros(*candidates.shape[:2], n + 1, dtype=torch.bool).scatter_(
                     -1, slots.cpu(), torch.ones_like(slots, dtype=torch.bool).cpu())[..., :n] & window[:, None].cpu()
                 check_top_k(laid[..., :n], allowed, heavy, chosen.cpu())
-                return result
+                return refined
             return candidate_heavy
 
         original_walk = policy.with_successors
@@ -560,7 +571,7 @@ class SelectionSpy:
 
         self._stack.enter_context(mock.patch.object(policy, "with_successors", walk))
         self._stack.enter_context(mock.patch.object(labels, "decode_label_topk_walk", selection_walk))
-        self._stack.enter_context(mock.patch.object(RowWindows, "critical_indices", critical))
+        self._stack.enter_context(mock.patch.object(RowWindows, "critical_windows", critical_windows))
         self._stack.enter_context(mock.patch.object(policy, "select_heavy", select))
         self._stack.enter_context(mock.patch.object(refine, "select_heavy", select))  # candidates, refinements
         for cls in {policy.SelectionPolicy, *(policy.policy_class(name) for name in policy.policy_names())}:

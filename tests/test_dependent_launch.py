@@ -16,7 +16,7 @@ from hshare.kernels import dependent_launch
 from hshare.kernels.dependent_launch import dependent_launches, pdl_options
 from conftest import cache_kwarg, left_padded, tiny_llama
 
-KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels"
+KERNELS = pathlib.Path(__file__).resolve().parents[1] / "hshare" / "kernels"
 
 
 @pytest.fixture

@@ -618,7 +618,7 @@ def test_wide_candidate_sets_go_to_the_twin_with_a_warning(monkeypatch):
     monkeypatch.setattr(module, "use_triton", lambda tensor: True)  # as on CUDA
     launched = []
     monkeypatch.setattr(label_topk_triton, "_candidates",  # the launch, recorded and not run
-                        lambda *args, **kwargs: (launched.append(args[7].shape[-1]), None))
+                        lambda *args, **kwargs: (launched.append(args[7].shape[-1]), None, None))
     candidates = torch.randperm(n, generator=generator)[:68].view(1, 1, 68).to(DEVICE)
     with pytest.warns(RuntimeWarning, match="68 candidates .* exceed the 64 the Triton candidate walk"):
         got = candidate_label_walk(query, channels, codes, scale, zero, 8, candidates, selectable)

@@ -41,8 +41,7 @@ LENGTHS = [40, 25]
 CHECKPOINTS = (250, 500, 1000, 1500, 2000, 2500, STEPS)  # calls of the stopping criterion (1 = prefill)
 PROFILED = ((101, 111), (STEPS - 20, STEPS - 10))  # windows of decode steps whose Python calls are counted
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
-HSHARE_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                    for m in (hshare, sys.modules["hshare.kernels"]))
+HSHARE_DIRS = (os.path.dirname(os.path.abspath(hshare.__file__)) + os.sep,)
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 

@@ -628,12 +628,13 @@ def test_static_refinements_write_in_place_and_copying_layers_keep_their_sources
 
     def spy(cache, layer, refine_heads, *args):
         def recorded(*arguments, **options):
-            columns = refine_heads(*arguments, **options)
-            in_place.append(columns is layer.heavy)
-            return columns
+            refined = refine_heads(*arguments, **options)  # with the step's windows: (columns, critical indices)
+            in_place.append((refined[0] if options.get("critical") else refined) is layer.heavy)
+            return refined
 
-        refine(cache, layer, recorded, *args)
+        indices = refine(cache, layer, recorded, *args)
         buffers.setdefault(id(layer), set()).add(layer.heavy.data_ptr())
+        return indices
 
     monkeypatch.setattr(attention_module, "_refine", spy)
     with hshare.patched(model, "hshare-refine-successors", cuda_graphs=True, refine_by=refine_by, **SMALL):

@@ -63,6 +63,8 @@ from .key_search_triton import (SENTINEL, _exact_threshold, _fill_empty, _first_
 from .gather_attention_triton import num_sms
 from .labels_triton import _label_scores, kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
+from .critical_indices import CriticalWindows, check_critical_refinement
+from .critical_indices_triton import _write_critical_row, critical_arguments, no_critical
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 SINGLE_CHUNK = 8192  # the longest row of 4- or 8-bit labels one program scores and selects (one launch)
@@ -328,10 +330,14 @@ def _label_candidates(
     query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, out_ptr,
     best_ptr, scratch_ptr, n, heavy, candidates, top,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh, s_oa, s_oh,
+    c_sink_ptr, c_local_ptr, c_dense_ptr, c_middle_ptr, c_short_ptr, c_out_ptr, c_count_ptr, c_n,
+    c_sb, c_lb, c_db, c_mb, c_ob, c_oh,
     HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
     BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr,
     HAS_MASK: tl.constexpr,
     C_PAD: tl.constexpr, TILE: tl.constexpr, WALK: tl.constexpr, ASCENDING: tl.constexpr, BY_HEAD: tl.constexpr,
+    C_SINK: tl.constexpr, C_HEAVY: tl.constexpr, C_LOCAL: tl.constexpr, C_SINK_P: tl.constexpr,
+    C_HEAVY_P: tl.constexpr, C_LOCAL_P: tl.constexpr, C_COUNT: tl.constexpr, CRITICAL: tl.constexpr,
     SCORED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Program (row-head pid): the row-head's candidates' keys (a negative column, one outside the mask or
@@ -341,7 +347,8 @@ def _label_candidates(
     order). BY_HEAD: the candidates and the output are every selection head's, and the program reads and writes
     its own head's entry (else its position among the row's heads). SCORED: the keys are the row-head's row of
     the scratch ``[A * H', C_PAD]`` int32 (`_label_candidate_scores`, or `candidate_keys_triton`'s), not scored
-    here."""
+    here. CRITICAL (the top-k of every row, not ROWS_INDEXED): then also the row-head's critical indices from the
+    columns it wrote (`critical_indices_triton._write_critical_row`, the ``c_`` operands)."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     slots = tl.arange(0, C_PAD)
@@ -354,8 +361,14 @@ def _label_candidates(
                           pid, i, row, head, cols, tl.zeros((), tl.int32), tl.zeros((), tl.int32) + n,
                           s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_mb,
                           R, R_PAD, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
-    _candidate_tail(out_ptr + i * s_oa + entry * s_oh, best_ptr + pid.to(tl.int64) * top, mask_ptr + i * s_mb, cols,
-                    key, n, heavy, top, C_PAD, TILE, WALK, ASCENDING)
+    out_row = out_ptr + i * s_oa + entry * s_oh
+    _candidate_tail(out_row, best_ptr + pid.to(tl.int64) * top, mask_ptr + i * s_mb, cols, key, n, heavy, top, C_PAD,
+                    TILE, WALK, ASCENDING)
+    if CRITICAL:
+        tl.debug_barrier()  # the row's columns, written by any of the program's threads, read back by all
+        _write_critical_row(out_row, row, entry, c_sink_ptr, c_local_ptr, c_dense_ptr, c_middle_ptr, c_short_ptr,
+                            c_out_ptr, c_count_ptr, c_n, c_sb, c_lb, c_db, c_mb, c_ob, c_oh, C_SINK, C_HEAVY, C_LOCAL,
+                            C_SINK_P, C_HEAVY_P, C_LOCAL_P, C_COUNT)
 
 
 @triton.jit
@@ -590,16 +603,21 @@ def candidate_label_topk_triton(query: torch.Tensor, channels: torch.Tensor, cod
                                 candidates: torch.Tensor, rows: torch.Tensor | None, heads: torch.Tensor | None,
                                 selectable: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                                 tile: int | None = None, num_warps: int | None = None,
-                                max_registers: int | None = None, score_tile: int | None = None) -> torch.Tensor:
+                                max_registers: int | None = None, score_tile: int | None = None,
+                                critical: CriticalWindows | None = None
+                                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `label_topk.candidate_label_topk` (``[A, H', heavy]`` int64, the chosen candidates'
     columns in candidate order, then NO_TOKEN; with `out`, each head's entries of every selection head's
-    candidates read and of `out` written), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors (None: all,
-    in order): a program per (row, head) holding its ``C <= MAX_CANDIDATES`` candidates' keys in registers,
-    scored there or, at few row-heads (`split_scoring`), in a launch before it of `score_tile` candidates a program.
+    candidates read and of `out` written; with `critical`, also their int32 critical indices, written by the same
+    programs), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors (None: all, in order): a program per
+    (row, head) holding its ``C <= MAX_CANDIDATES`` candidates' keys in registers, scored there or, at few
+    row-heads (`split_scoring`), in a launch before it of `score_tile` candidates a program.
     `tile`, `num_warps`, `max_registers` (a thread's register cap; 0: none) and `score_tile` (0: no scoring launch)
     override the launches (tests, benchmark sweeps)."""
-    return _candidates(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads, selectable,
-                       False, tile, num_warps, out=out, max_registers=max_registers, score_tile=score_tile)[0]
+    columns, _, indices = _candidates(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads,
+                                      selectable, False, tile, num_warps, out=out, max_registers=max_registers,
+                                      score_tile=score_tile, critical=critical)
+    return columns if critical is None else (columns, indices)
 
 
 def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
@@ -621,7 +639,7 @@ def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, cod
                          "takes more)")
     return _candidates(query, channels, codes, scale, zero, bits, candidates.shape[-1], candidates, rows, heads,
                        selectable, True, None, num_warps, ascending, top, max_registers=max_registers,
-                       score_tile=score_tile, keys=keys)
+                       score_tile=score_tile, keys=keys)[:2]
 
 
 def selection_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
@@ -704,23 +722,27 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
                 zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor, rows: torch.Tensor | None,
                 heads: torch.Tensor | None, selectable: torch.Tensor | None, walk: bool, tile: int | None,
                 num_warps: int | None, ascending: bool = False, top: int = 0, out: torch.Tensor | None = None,
-                max_registers: int | None = None, score_tile: int | None = None, keys: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                max_registers: int | None = None, score_tile: int | None = None, keys: torch.Tensor | None = None,
+                critical: CriticalWindows | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A launch of `_label_candidates` (after one of `_label_candidate_scores` where the scoring is split:
     `score_tile` candidates a scoring program; None: `SCORE_TILE` where `split_scoring` says so, else 0, scored
     in the top-k's program; given the candidates' `keys` ``[A * H', C_PAD]``, none): ``[A, H', heavy]`` int64 (or,
     in place, the heads' entries of `out` ``[A, H_sel, heavy]`` from every selection head's candidates
-    ``[A, H_sel, C]``), and (`walk`) the best `top` candidates."""
+    ``[A, H_sel, C]``), (`walk`) the best `top` candidates, and (`critical`) the critical indices
+    ``[A, H, N_c]`` int32 of the columns (`check_critical_refinement`)."""
     count, width = candidates.shape[0], candidates.shape[-1]
     by_head = out is not None
     n_heads = heads.shape[-1] if by_head else candidates.shape[1]
     if by_head and (out.shape != (count, candidates.shape[1], heavy) or out.dtype != torch.int64 or walk):
         raise ValueError(f"out {tuple(out.shape)} {out.dtype}; accepted: int64 {(count, candidates.shape[1], heavy)} "
                          "(every selection head's entries), for the candidate top-k")
+    if critical is not None:
+        check_critical_refinement(rows, n_heads, candidates.shape[1])
     if not by_head:
         out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=codes.device)
     if heavy == 0 or count * n_heads == 0:
-        return out, torch.full((count, n_heads, top), -1, dtype=torch.int64, device=codes.device)
+        return (out, torch.full((count, n_heads, top), -1, dtype=torch.int64, device=codes.device),
+                None if critical is None else critical.indices(out))
     best = torch.empty(count, n_heads, top, dtype=torch.int64, device=codes.device)  # the walk writes every slot
     limit = MAX_WALK_CANDIDATES if walk else MAX_CANDIDATES
     if width > limit:
@@ -757,33 +779,40 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     if max_registers is None and num_warps is None and codes.is_cuda:
         max_registers = candidate_register_cap(walk, pad, bits, programs, num_sms(codes.device))
     options = _launch_options(max_registers, codes)
+    indices, writes = (None, no_critical(out)) if critical is None else critical_arguments(critical, out.shape[1],
+                                                                                           heavy)
     _label_candidates[(programs,)](
         query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best, scratch,
         codes.shape[2], heavy, width, top, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
-        out.stride(1), **labels, TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending,
-        SCORED=bool(score_tile) or keys is not None,
+        out.stride(1), **writes, **labels, TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending,
+        CRITICAL=critical is not None, SCORED=bool(score_tile) or keys is not None,
         num_warps=num_warps or warps, **options, **pdl_options(codes.device),
     )
-    return out, best
+    return out, best, indices
 
 
 def top_scored(scratch: torch.Tensor, candidates: torch.Tensor, out: torch.Tensor, heavy: int, heads: torch.Tensor,
-               s_hb: int, n_heads: int, heads_indexed: bool, by_head: bool) -> None:
+               s_hb: int, n_heads: int, heads_indexed: bool, by_head: bool, critical: CriticalWindows | None = None
+               ) -> torch.Tensor | None:
     """Each row-head's top `heavy` of the keys its scoring launch wrote (scratch ``[A * H', C_PAD]`` int32, INT32_MIN:
     none): the columns of its candidates ``[A, H or H_sel, C]`` in candidate order, then NO_TOKEN, into `out`
     (`_label_candidates` with SCORED; heads ``[A or 1, H']`` with row stride `s_hb` where `heads_indexed`, else a
-    placeholder; BY_HEAD as there). For a scoring launch other than the labels' (`candidate_keys_triton`)."""
+    placeholder; BY_HEAD as there), and (`critical`, every row and head) their critical indices ``[A, H, N_c]``
+    int32, returned. For a scoring launch other than the labels' (`candidate_keys_triton`)."""
     pad = scratch.shape[1]
+    indices, writes = (None, no_critical(out)) if critical is None else critical_arguments(critical, out.shape[1],
+                                                                                           heavy)
     strides = [0] * 14
     strides[12] = s_hb  # the heads' row stride (the label operands' strides: never read)
     _label_candidates[(scratch.shape[0],)](
         scratch, scratch, scratch, scratch, scratch, scratch, heads, scratch, candidates, out, out, scratch,
         0, heavy, candidates.shape[-1], 0, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
-        out.stride(1), HEADS=n_heads, ROWS_INDEXED=False, HEADS_INDEXED=heads_indexed, R=2, R_PAD=2, BITS=4,
-        LOAD_BYTES=1, GROUP=1, PER_ROW_CHANNELS=False, HAS_MASK=False, C_PAD=pad, TILE=min(TAIL_TILE, pad),
-        WALK=False, ASCENDING=False, BY_HEAD=by_head, SCORED=True, num_warps=max(4, min(16, pad // 512)),
-        **pdl_options(scratch.device),
+        out.stride(1), **writes, HEADS=n_heads, ROWS_INDEXED=False, HEADS_INDEXED=heads_indexed, R=2, R_PAD=2,
+        BITS=4, LOAD_BYTES=1, GROUP=1, PER_ROW_CHANNELS=False, HAS_MASK=False, C_PAD=pad, TILE=min(TAIL_TILE, pad),
+        WALK=False, ASCENDING=False, BY_HEAD=by_head, CRITICAL=critical is not None, SCORED=True,
+        num_warps=max(4, min(16, pad // 512)), **pdl_options(scratch.device),
     )
+    return indices
 
 
 def _selection_shape(query_labels: torch.Tensor | None, query: torch.Tensor | None, channels: torch.Tensor | None,

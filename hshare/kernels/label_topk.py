@@ -50,7 +50,7 @@ import warnings
 
 import torch
 
-from .critical_indices import NO_TOKEN
+from .critical_indices import NO_TOKEN, CriticalWindows, check_critical_refinement, with_critical
 from .dispatch import use_triton
 from .labels import candidate_label_scores, decode_query_labels, score_heads_torch
 from .selection_heads import refine_into
@@ -106,7 +106,8 @@ def decode_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: torch.
 def candidate_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                          zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor,
                          selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                         heads: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                         heads: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                         critical: CriticalWindows | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Top-`heavy` of candidate columns by the decode query's label scores (candidate-set refinement).
 
     Args:
@@ -115,26 +116,32 @@ def candidate_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: tor
         selectable: ``[A, n]`` bool, the columns a candidate must lie in (None = all).
         out: ``[A, H_sel, heavy]`` int64: then `candidates` are every selection head's ``[A, H_sel, C]``, and
             each of the heads `heads` (required) refines its own and writes its entries of `out` in place.
+        critical: the step's windows (`CriticalWindows`) where the refinement covers every row and selection head:
+            then the columns' critical indices are returned too, written by the refinement's own launch on CUDA.
 
     Returns:
         ``[A, H', heavy]`` int64 (or `out`): the columns of the ``min(heavy, allowed)`` best-scored allowed
         candidates (in a selectable column, finite score) in candidate order, then ``NO_TOKEN``; among equal
         scores at the heavy-th the earlier candidates are chosen. Only the candidates' label rows are read (CUDA:
         `label_topk_triton.candidate_label_topk_triton`, up to its ``MAX_CANDIDATES``; wider: the twin, with a
-        RuntimeWarning).
+        RuntimeWarning). With `critical`: ``(columns, critical.indices(columns))``.
     """
     if out is not None and heads is None:
         raise ValueError("candidate_label_topk: out= refines some heads in place; accepted: heads [A or 1, H'] given")
+    if critical is not None:
+        check_critical_refinement(rows, candidates.shape[1] if heads is None else heads.shape[-1], candidates.shape[1])
     if _runs_triton(query, codes, bits, heavy, channels.shape[-1]) and _candidates_fit(candidates.shape[-1], False):
         from .label_topk_triton import candidate_label_topk_triton
 
         return candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads,
-                                           selectable, out=out)
+                                           selectable, out=out, critical=critical)
     if out is not None:
-        return refine_into(out, candidates, heads, lambda own: candidate_label_topk_torch(
+        columns = refine_into(out, candidates, heads, lambda own: candidate_label_topk_torch(
             query, channels, codes, scale, zero, bits, heavy, own, selectable, rows, heads))
-    return candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, selectable,
-                                      rows, heads)
+    else:
+        columns = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, selectable,
+                                             rows, heads)
+    return with_critical(columns, critical)
 
 
 def candidate_label_topk_torch(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,

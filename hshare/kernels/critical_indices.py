@@ -13,11 +13,47 @@ and the test oracle).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .dispatch import use_triton
 
 NO_TOKEN = -1
+
+
+class CriticalWindows(NamedTuple):
+    """What a step's critical indices are made of besides a layer's heavy columns (`critical_indices`' arguments):
+    sink ``[B, sink]``, local ``[B, local]``, dense ``[B, N_c]`` columns, the middle windows ``[B, n]`` and short
+    rows ``[B]`` (bool), and an optional ``[1]`` int64 work counter. A refinement given them writes the critical
+    indices of its heavy columns in its own launch (`label_topk.candidate_label_topk`'s `critical`)."""
+
+    sink: torch.Tensor
+    local: torch.Tensor
+    dense: torch.Tensor
+    middle: torch.Tensor
+    short: torch.Tensor
+    count: torch.Tensor | None = None
+
+    def indices(self, heavy: torch.Tensor) -> torch.Tensor:
+        """The critical indices ``[B, H, N_c]`` of heavy columns ``[B, H, heavy]`` (`critical_indices`)."""
+        return critical_indices(heavy, *self)
+
+
+def check_critical_refinement(rows: torch.Tensor | None, heads: int, every_head: int) -> None:
+    """Check that a refinement asked for its critical indices (`critical`) refines every row and every selection
+    head (`heads` of `every_head`): a critical row is of a batch row, whole."""
+    if rows is not None or heads != every_head:
+        raise ValueError(f"critical indices from a refinement of {'some' if rows is not None else 'all'} rows and "
+                         f"{heads} of {every_head} selection heads; accepted: every row and every selection head "
+                         "(rows=None; heads=None or all of them)")
+
+
+def with_critical(columns: torch.Tensor, critical: CriticalWindows | None
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A refinement's result where its critical indices are made apart (the twins, a policy's default): the
+    columns, or ``(columns, critical.indices(columns))``."""
+    return columns if critical is None else (columns, critical.indices(columns))
 
 
 def critical_indices(heavy: torch.Tensor, sink: torch.Tensor, local: torch.Tensor, dense: torch.Tensor,

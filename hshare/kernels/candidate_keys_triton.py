@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .key_search_triton import _score_key
+from .critical_indices import CriticalWindows, check_critical_refinement
 from .label_topk_triton import MAX_CANDIDATES, _candidate_columns, candidate_slots, index_operands, top_scored
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
@@ -65,9 +66,11 @@ def _candidate_key_scores(
 def candidate_key_topk_triton(query: torch.Tensor, keys: torch.Tensor, heavy: int, candidates: torch.Tensor,
                               selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                               heads: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                              num_warps: int | None = None) -> torch.Tensor:
+                              num_warps: int | None = None, critical: CriticalWindows | None = None
+                              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `candidate_keys.candidate_key_topk` (``C <= MAX_CANDIDATES``; head dims 16..256, powers of
-    two); `num_warps` overrides the scoring launch's (tests, benchmark sweeps)."""
+    two; with `critical`, the columns' int32 critical indices written by the top-k's programs); `num_warps`
+    overrides the scoring launch's (tests, benchmark sweeps)."""
     count, width = candidates.shape[0], candidates.shape[-1]
     batch, q_heads, dim = query.shape
     by_head = out is not None
@@ -80,10 +83,12 @@ def candidate_key_topk_triton(query: torch.Tensor, keys: torch.Tensor, heavy: in
                          "power of two, and a unit stride on d")
     if width > MAX_CANDIDATES:
         raise ValueError(f"{width} candidates per head; accepted: at most {MAX_CANDIDATES} (the torch twin takes more)")
+    if critical is not None:
+        check_critical_refinement(rows, n_heads, candidates.shape[1])
     if not by_head:
         out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=keys.device)
     if heavy == 0 or count * n_heads == 0:
-        return out
+        return out if critical is None else (out, critical.indices(out))
     query = query if query.stride(-1) == 1 else query.contiguous()
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
     rows, heads, mask, s_hb, s_mb, flags = index_operands(rows, heads, selectable, count, keys)
@@ -97,5 +102,6 @@ def candidate_key_topk_triton(query: torch.Tensor, keys: torch.Tensor, heavy: in
         ROWS_INDEXED=flags["ROWS_INDEXED"], GROUP=q_heads // keys.shape[1], DIM=dim, HAS_MASK=selectable is not None,
         TILE_C_=TILE_C, **shape, num_warps=num_warps or 4, **pdl_options(keys.device),
     )
-    top_scored(scratch, candidates, out, heavy, heads, s_hb, n_heads, flags["HEADS_INDEXED"], by_head)
-    return out
+    indices = top_scored(scratch, candidates, out, heavy, heads, s_hb, n_heads, flags["HEADS_INDEXED"], by_head,
+                         critical)
+    return out if critical is None else (out, indices)

@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from .critical_indices import CriticalWindows, check_critical_refinement, with_critical
 from .dispatch import use_triton
 from .label_topk import _candidates_fit, candidate_label_topk_torch
 from .selection_heads import refine_into
@@ -20,7 +21,8 @@ from .selection_heads import refine_into
 
 def candidate_key_topk(query: torch.Tensor, keys: torch.Tensor, heavy: int, candidates: torch.Tensor,
                        selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                       heads: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                       heads: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                       critical: CriticalWindows | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Top-`heavy` of candidate columns by their exact logits.
 
     Args:
@@ -32,26 +34,33 @@ def candidate_key_topk(query: torch.Tensor, keys: torch.Tensor, heavy: int, cand
         rows: ``[A]`` batch rows (None = all); heads: ``[A or 1, H']`` selection heads (None = all).
         out: ``[A, Hkv, heavy]`` int64: then `candidates` are every head's ``[A, Hkv, C]`` and each of the heads
             `heads` (required) refines its own and writes its entries of `out` in place.
+        critical: as `candidate_label_topk`'s (the critical indices, written by the top-k's launch on CUDA).
 
     Returns:
         ``[A, H', heavy]`` int64 (or `out`): the columns of the ``min(heavy, allowed)`` best allowed candidates (in a
         selectable column, finite logit) in candidate order, then ``NO_TOKEN``; among equal logits the earlier
         candidates. CUDA (fp16, bf16, fp32 keys): two Triton launches up to the candidate top-k's ``MAX_CANDIDATES``
-        (wider: the twin, with a RuntimeWarning); elsewhere the twin.
+        (wider: the twin, with a RuntimeWarning); elsewhere the twin. With `critical`: ``(columns,
+        critical.indices(columns))``.
     """
     if out is not None and heads is None:
         raise ValueError("candidate_key_topk: out= refines some heads in place; accepted: heads [A or 1, H'] given")
+    if critical is not None:
+        check_critical_refinement(rows, candidates.shape[1] if heads is None else heads.shape[-1], candidates.shape[1])
     if query.shape[1] % keys.shape[1]:
         raise ValueError(f"query heads {query.shape[1]} are not a multiple of the keys' heads {keys.shape[1]}")
     if use_triton(keys) and keys.dtype != torch.float64 and heavy > 0 and keys.shape[2] > 0 \
             and _candidates_fit(candidates.shape[-1], False):
         from .candidate_keys_triton import candidate_key_topk_triton
 
-        return candidate_key_topk_triton(query, keys, heavy, candidates, selectable, rows, heads, out=out)
+        return candidate_key_topk_triton(query, keys, heavy, candidates, selectable, rows, heads, out=out,
+                                         critical=critical)
     if out is not None:
-        return refine_into(out, candidates, heads, lambda own: candidate_key_topk_torch(
+        columns = refine_into(out, candidates, heads, lambda own: candidate_key_topk_torch(
             query, keys, heavy, own, selectable, rows, heads))
-    return candidate_key_topk_torch(query, keys, heavy, candidates, selectable, rows, heads)
+    else:
+        columns = candidate_key_topk_torch(query, keys, heavy, candidates, selectable, rows, heads)
+    return with_critical(columns, critical)
 
 
 def candidate_key_topk_torch(query: torch.Tensor, keys: torch.Tensor, heavy: int, candidates: torch.Tensor,
