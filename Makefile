@@ -5,12 +5,14 @@
 #
 # transformers: a fresh install gets the newest release of the tested range (pyproject.toml,
 # hshare/compat.py). `make test-oldest` runs the suite on the oldest supported release in its own
-# environment (CI runs both ends); `make compat` runs it on the newest release on the registry,
-# ignoring the range's upper bound, and lists what breaks.
+# environment (CI runs both ends), less the tests of the kernels alone (marker `kernels`: no transformers in
+# them); `make compat` runs it on the newest release on the registry, ignoring the range's upper bound, and
+# lists what breaks.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 TRANSFORMERS_SPEC ?=
+PYTEST_MARKS ?= not slow
 TRANSFORMERS_OLDEST := $(shell sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 BIN := $(VENV)/bin
 
@@ -32,14 +34,15 @@ demo: setup
 test: setup
 	$(BIN)/python -c "import transformers; print('transformers', transformers.__version__)"
 	rm -f $(VENV)/kernels.json
-	HSHARE_RECORD_KERNELS=$(VENV)/kernels.json $(BIN)/python -m pytest -q
+	HSHARE_RECORD_KERNELS=$(VENV)/kernels.json $(BIN)/python -m pytest -q -m "$(PYTEST_MARKS)"
 	env -u TRITON_INTERPRET $(BIN)/python tests/hopper_compile.py $(VENV)/kernels.json
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
 
-test-oldest:
-	$(MAKE) test VENV=.venv-oldest TRANSFORMERS_SPEC="transformers==$(TRANSFORMERS_OLDEST).*"
+test-oldest:  # the kernel tests (no transformers model: marker `kernels`) ran in `make test` and are skipped here
+	$(MAKE) test VENV=.venv-oldest TRANSFORMERS_SPEC="transformers==$(TRANSFORMERS_OLDEST).*" \
+		PYTEST_MARKS="not slow and not kernels"
 
 compat:
 	$(MAKE) setup VENV=.venv-compat

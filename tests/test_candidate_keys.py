@@ -10,6 +10,10 @@ from hshare.kernels import NO_TOKEN, candidate_key_topk, candidate_key_topk_torc
 
 from test_label_topk import DEVICE, check_candidates, triton_or_skip
 
+# kernels and their twins alone, no transformers model: `make test-oldest`, which checks the oldest transformers, skips
+# them (the newest run covers them)
+pytestmark = pytest.mark.kernels
+
 
 def key_case(dtype=torch.float32, group=2, dim=16, n=120, width=40, seed=3):
     """Keys ``[3, 2, n, dim]``, a decode query of `group` query heads a KV head, rows and heads by index, candidate

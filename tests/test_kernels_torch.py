@@ -8,6 +8,10 @@ import torch
 from hshare.kernels import dequantize_labels, gather_attention, label_scores, merge_attention_splits, \
     merge_attention_states, quantize_labels
 
+# kernels and their twins alone, no transformers model: `make test-oldest`, which checks the oldest transformers, skips
+# them (the newest run covers them)
+pytestmark = pytest.mark.kernels
+
 
 @pytest.mark.parametrize("bits", [4, 8, 16])
 def test_label_round_trip_within_quantization_error(bits):

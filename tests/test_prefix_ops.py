@@ -7,6 +7,10 @@ from hshare.kernels import attention_with_lse, attention_with_lse_torch, gather_
     shared_prefix_attention
 from hshare.prefix_store import group_membership
 
+# kernels and their twins alone, no transformers model: `make test-oldest`, which checks the oldest transformers, skips
+# them (the newest run covers them)
+pytestmark = pytest.mark.kernels
+
 
 def reference(q, keys, values, valid, scale):
     """Per-row softmax attention, fp64. q [Hq, T, d]; keys/values [Hkv, n, d]; valid [T, n] bool."""
