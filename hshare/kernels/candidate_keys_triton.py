@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .key_search_triton import _score_key
-from .critical_indices import CriticalWindows, check_critical_refinement
+from .critical_indices import CriticalWindows, with_critical
 from .label_topk_triton import MAX_CANDIDATES, _candidate_columns, candidate_slots, index_operands, top_scored
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
@@ -69,8 +69,8 @@ def candidate_key_topk_triton(query: torch.Tensor, keys: torch.Tensor, heavy: in
                               num_warps: int | None = None, critical: CriticalWindows | None = None
                               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `candidate_keys.candidate_key_topk` (``C <= MAX_CANDIDATES``; head dims 16..256, powers of
-    two; with `critical`, the columns' int32 critical indices written by the top-k's programs); `num_warps`
-    overrides the scoring launch's (tests, benchmark sweeps)."""
+    two; with `critical`, checked there, the columns' int32 critical indices written by the top-k's programs);
+    `num_warps` overrides the scoring launch's (tests, benchmark sweeps)."""
     count, width = candidates.shape[0], candidates.shape[-1]
     batch, q_heads, dim = query.shape
     by_head = out is not None
@@ -83,12 +83,10 @@ def candidate_key_topk_triton(query: torch.Tensor, keys: torch.Tensor, heavy: in
                          "power of two, and a unit stride on d")
     if width > MAX_CANDIDATES:
         raise ValueError(f"{width} candidates per head; accepted: at most {MAX_CANDIDATES} (the torch twin takes more)")
-    if critical is not None:
-        check_critical_refinement(rows, n_heads, candidates.shape[1])
     if not by_head:
         out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=keys.device)
     if heavy == 0 or count * n_heads == 0:
-        return out if critical is None else (out, critical.indices(out))
+        return with_critical(out, critical)
     query = query if query.stride(-1) == 1 else query.contiguous()
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
     rows, heads, mask, s_hb, s_mb, flags = index_operands(rows, heads, selectable, count, keys)

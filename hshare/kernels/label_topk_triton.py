@@ -63,7 +63,7 @@ from .key_search_triton import (SENTINEL, _exact_threshold, _fill_empty, _first_
 from .gather_attention_triton import num_sms
 from .labels_triton import _label_scores, kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
-from .critical_indices import CriticalWindows, check_critical_refinement
+from .critical_indices import CriticalWindows
 from .critical_indices_triton import _write_critical_row, critical_arguments, no_critical
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
@@ -729,15 +729,13 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     in the top-k's program; given the candidates' `keys` ``[A * H', C_PAD]``, none): ``[A, H', heavy]`` int64 (or,
     in place, the heads' entries of `out` ``[A, H_sel, heavy]`` from every selection head's candidates
     ``[A, H_sel, C]``), (`walk`) the best `top` candidates, and (`critical`) the critical indices
-    ``[A, H, N_c]`` int32 of the columns (`check_critical_refinement`)."""
+    ``[A, H, N_c]`` int32 of the columns (every row and head: `label_topk.candidate_label_topk` checks it)."""
     count, width = candidates.shape[0], candidates.shape[-1]
     by_head = out is not None
     n_heads = heads.shape[-1] if by_head else candidates.shape[1]
     if by_head and (out.shape != (count, candidates.shape[1], heavy) or out.dtype != torch.int64 or walk):
         raise ValueError(f"out {tuple(out.shape)} {out.dtype}; accepted: int64 {(count, candidates.shape[1], heavy)} "
                          "(every selection head's entries), for the candidate top-k")
-    if critical is not None:
-        check_critical_refinement(rows, n_heads, candidates.shape[1])
     if not by_head:
         out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=codes.device)
     if heavy == 0 or count * n_heads == 0:
