@@ -14,6 +14,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # a custom `tl.reduce` combine by halves, not element by element
+    import interpreter_reduce  # noqa: E402
+
+    interpreter_reduce.install()
+
 VOCAB = 160
 
 
