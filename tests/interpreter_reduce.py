@@ -19,6 +19,7 @@ ELEMENT_BY_ELEMENT = None  # the interpreter's own `ReduceOps.generic_reduce`, o
 def install() -> bool:
     """Replace the interpreter's element-by-element reduction by `tree_reduce`. Returns False, changing nothing,
     where the installed Triton's interpreter is not laid out as this expects (its own reduction then runs)."""
+    global ELEMENT_BY_ELEMENT
     try:
         from triton.runtime.interpreter import ReduceOps
     except ImportError:
@@ -26,14 +27,13 @@ def install() -> bool:
     element_by_element = getattr(ReduceOps, "generic_reduce", None)
     if element_by_element is None or not hasattr(ReduceOps, "to_tensor"):
         return False
-
     if ELEMENT_BY_ELEMENT is not None:  # installed already
         return True
 
     def generic_reduce(self, input):
         return tree_reduce(self, input, element_by_element)
 
-    globals()["ELEMENT_BY_ELEMENT"] = element_by_element
+    ELEMENT_BY_ELEMENT = element_by_element
     ReduceOps.generic_reduce = generic_reduce
     return True
 

@@ -12,9 +12,7 @@ triton = pytest.importorskip("triton")  # conftest selects the interpreter on ma
 
 from hshare.kernels.cache_write_triton import HEADS_PER_PROGRAM, write_kv_column_triton  # noqa: E402
 
-# kernels and their twins alone, no transformers model: `make test-oldest`, which checks the oldest transformers, skips
-# them (the newest run covers them)
-pytestmark = pytest.mark.kernels
+pytestmark = pytest.mark.kernels  # no transformers model in them (pyproject.toml's markers)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

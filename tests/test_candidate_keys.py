@@ -10,9 +10,7 @@ from hshare.kernels import NO_TOKEN, candidate_key_topk, candidate_key_topk_torc
 
 from test_label_topk import DEVICE, check_candidates, triton_or_skip
 
-# kernels and their twins alone, no transformers model: `make test-oldest`, which checks the oldest transformers, skips
-# them (the newest run covers them)
-pytestmark = pytest.mark.kernels
+pytestmark = pytest.mark.kernels  # no transformers model in them (pyproject.toml's markers)
 
 
 def key_case(dtype=torch.float32, group=2, dim=16, n=120, width=40, seed=3):

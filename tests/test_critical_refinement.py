@@ -15,9 +15,7 @@ from hshare.selection import RowWindows
 from test_candidate_keys import key_case
 from test_label_topk import DEVICE, candidate_case, triton_or_skip
 
-# kernels and their twins alone, no transformers model: `make test-oldest`, which checks the oldest transformers, skips
-# them (the newest run covers them)
-pytestmark = pytest.mark.kernels
+pytestmark = pytest.mark.kernels  # no transformers model in them (pyproject.toml's markers)
 
 SINK, LOCAL = 3, 5
 

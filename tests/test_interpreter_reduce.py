@@ -62,9 +62,8 @@ def test_tree_reduce_equals_numpy_and_the_element_by_element_reduction(axis, kee
     tree = _run(x, pivot, axis, keep)
     assert interpreter_reduce.ELEMENT_BY_ELEMENT is not None, "conftest did not install the tree reduction"
     values, above = x.numpy(), x.numpy() >= pivot
-    reduce_axis = None if axis is None else axis
-    expected = [above.sum(axis=reduce_axis), np.where(above, values, 2**31 - 1).min(axis=reduce_axis),
-                np.where(above, -2**31, values).max(axis=reduce_axis)]
+    expected = [above.sum(axis=axis), np.where(above, values, 2**31 - 1).min(axis=axis),
+                np.where(above, -2**31, values).max(axis=axis)]
     for got, want in zip(tree, expected):
         np.testing.assert_array_equal(got.numpy(), np.asarray(want, dtype=np.int32).reshape(-1))
     if axis is None:  # the interpreter's own reduces only the first operand of a tuple over all axes

@@ -8,9 +8,7 @@ import torch
 from hshare.kernels import dequantize_labels, gather_attention, label_scores, merge_attention_splits, \
     merge_attention_states, quantize_labels
 
-# kernels and their twins alone, no transformers model: `make test-oldest`, which checks the oldest transformers, skips
-# them (the newest run covers them)
-pytestmark = pytest.mark.kernels
+pytestmark = pytest.mark.kernels  # no transformers model in them (pyproject.toml's markers)
 
 
 @pytest.mark.parametrize("bits", [4, 8, 16])

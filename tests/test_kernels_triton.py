@@ -10,9 +10,7 @@ triton = pytest.importorskip("triton")  # conftest selects the interpreter on ma
 from hshare.kernels import gather_attention_torch  # noqa: E402
 from hshare.kernels.gather_attention_triton import gather_attention_triton  # noqa: E402
 
-# kernels and their twins alone, no transformers model: `make test-oldest`, which checks the oldest transformers, skips
-# them (the newest run covers them)
-pytestmark = pytest.mark.kernels
+pytestmark = pytest.mark.kernels  # no transformers model in them (pyproject.toml's markers)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

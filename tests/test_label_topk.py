@@ -15,9 +15,7 @@ from hshare.kernels.label_topk import (candidate_label_topk, candidate_label_top
                                        decode_label_topk_torch, label_topk, label_topk_torch, select_heavy_columns_torch,
                                        window_columns)
 
-# kernels and their twins alone, no transformers model: `make test-oldest`, which checks the oldest transformers, skips
-# them (the newest run covers them)
-pytestmark = pytest.mark.kernels
+pytestmark = pytest.mark.kernels  # no transformers model in them (pyproject.toml's markers)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -7,9 +7,7 @@ from hshare.kernels import attention_with_lse, attention_with_lse_torch, gather_
     shared_prefix_attention
 from hshare.prefix_store import group_membership
 
-# kernels and their twins alone, no transformers model: `make test-oldest`, which checks the oldest transformers, skips
-# them (the newest run covers them)
-pytestmark = pytest.mark.kernels
+pytestmark = pytest.mark.kernels  # no transformers model in them (pyproject.toml's markers)
 
 
 def reference(q, keys, values, valid, scale):

@@ -14,9 +14,7 @@ triton = pytest.importorskip("triton")  # conftest selects the interpreter on ma
 from hshare.kernels.split_decode_triton import BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS, SPLIT_WAVES, \
     plan_split_decode, split_decode_attention_triton  # noqa: E402
 
-# kernels and their twins alone, no transformers model: `make test-oldest`, which checks the oldest transformers, skips
-# them (the newest run covers them)
-pytestmark = pytest.mark.kernels
+pytestmark = pytest.mark.kernels  # no transformers model in them (pyproject.toml's markers)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5 if DEVICE == "cpu" else 5e-3,  # tf32 dot on the GPU
