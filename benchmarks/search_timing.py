@@ -43,7 +43,7 @@ def _stage(key_ptr, col_ptr, out_ptr, heavy, C_PAD: tl.constexpr, STAGE: tl.cons
             first = _first_value(mean, std, count, r.to(tl.float32) - 0.5)
             threshold = threshold + (first > 1e30).to(tl.int32)
         if STAGE >= 2:
-            threshold, ties = _exact_threshold(key, 1, out_row, 0, r, smallest, count, largest.to(tl.int64) + 1,
+            threshold, ties, _ = _exact_threshold(key, 1, out_row, 0, r, smallest, count, largest.to(tl.int64) + 1,
                                                first, False, TILE)
             threshold += (ties == 0).to(tl.int32)
         tl.store(out_row + slots, cols.to(tl.int64), mask=(slots < heavy) & (key >= threshold))

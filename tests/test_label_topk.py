@@ -256,16 +256,22 @@ def test_triton_heavy_beyond_chunks_and_row():
 
 
 def test_sketch_levels_by_hand():
-    """A chunk's target ranks: its share s of heavy, then 2 s and 8 s below heavy; where 8 s would reach heavy
-    (8 chunks or fewer), 1.25 s and 2 s instead, so that no level repeats heavy's."""
+    """A chunk's target ranks: its share s of heavy by columns, then 2 s and 8 s below heavy; where 8 s would reach
+    heavy (8 chunks' worth of columns or fewer), 1.25 s and 2 s instead, so that no level repeats heavy's. A last
+    chunk of a few columns takes no share."""
     triton_or_skip()
     from hshare.kernels.label_topk_triton import sketch_levels
 
-    assert sketch_levels(944, 32) == [30, 60, 240, 944]  # 131,072 columns in chunks of 4,096
-    assert sketch_levels(944, 8) == [118, 147, 236, 944]  # 32,768 columns
-    assert sketch_levels(3776, 8) == [472, 590, 944, 3776]
-    assert sketch_levels(3, 8) == [1, 1, 2, 3]
-    assert sketch_levels(10, 2) == [5, 6, 10, 10]  # capped at heavy
+    assert sketch_levels(944, 131072, 4096) == [30, 60, 240, 944]  # 32 chunks of 4,096
+    assert sketch_levels(944, 32768, 4096) == [118, 147, 236, 944]  # 8 chunks
+    assert sketch_levels(3776, 32768, 4096) == [472, 590, 944, 3776]
+    # a 32k prompt and 64 new tokens: 9 chunks, the last of 64 columns; the levels stay the 8 chunks' (by chunks,
+    # a share of 420 and the coarse levels 420, 840, 3,360)
+    assert sketch_levels(3776, 32832, 4096) == [472, 590, 944, 3776]
+    assert sketch_levels(944, 32832, 4096) == [118, 147, 236, 944]
+    assert sketch_levels(944, 36864, 4096) == [105, 210, 840, 944]  # 9 full chunks
+    assert sketch_levels(3, 32768, 4096) == [1, 1, 2, 3]
+    assert sketch_levels(10, 8192, 4096) == [5, 6, 10, 10]  # capped at heavy
 
 
 def test_candidate_register_cap_by_hand():

@@ -13,6 +13,12 @@ reductions in one `tl.reduce` (count >= pivot, the nearest key above, the neares
 onto the nearest key on its side. It ends when exactly r keys lie at or above `lo`, or no key lies between
 the ends (then the keys equal to `lo` are ties: the first in column order are taken). Few steps at the
 scores' distributions; the key range halves at least every three steps.
+
+Keys that are the *upper tail* of a larger set (TAIL: a selection's top columns walked with their successors, the
+keys at or above a label top-k's bound) are not normal: their counts fall about exponentially with the score from
+their smallest key on. Their search interpolates the score in the logarithm of the counts instead, and bisects the
+key range only where the two steps before did not halve the count between the ends (fewer probes at such keys:
+`benchmarks/RESULTS.md`, "Searches over an upper tail").
 """
 
 from __future__ import annotations
@@ -47,24 +53,28 @@ def _probit(fraction):
 
 
 @triton.jit
-def _pivot(lo, hi, count_lo, count_hi, aim, total, first_value, step):
+def _pivot(lo, hi, count_lo, count_hi, aim, total, first_value, step, bisect, TAIL: tl.constexpr = False):
     """A key strictly inside ``(lo, hi)`` (int64, ``hi - lo >= 2``) at which about `aim` of the
-    `total` keys should lie at or above. Step 0 takes `first_value` (the keys' mean + std times the
-    normal quantile of aim / total); later steps interpolate the value linearly in the normal
-    quantiles of the counts at the ends (exact for a normal tail); every third step bisects the key
-    range instead, so that the range halves at least every three steps."""
+    `total` keys should lie at or above: the middle of the key range where `bisect`; else at step 0
+    `first_value` (the keys' mean + std times the normal quantile of aim / total), and later the value
+    interpolated linearly in the normal quantiles of the counts at the ends (exact for a normal tail), or
+    (TAIL) in their logarithms (exact where the counts fall exponentially with the score)."""
     middle = lo + (hi - lo) // 2
     low_value = _key_value(lo.to(tl.int32))
     high_value = _key_value(hi.to(tl.int32))
-    z_low = _probit(count_lo.to(tl.float32) / total)
-    z_high = _probit(tl.maximum(count_hi.to(tl.float32), 0.5) / total)
-    value = low_value + (high_value - low_value) * (_probit(aim / total) - z_low) / (z_high - z_low)
-    value = tl.where(step == 0, first_value, value)
+    if TAIL:
+        log_low = tl.log(count_lo.to(tl.float32))
+        fraction = (log_low - tl.log(aim)) / (log_low - tl.log(tl.maximum(count_hi.to(tl.float32), 0.5)))
+    else:
+        z_low = _probit(count_lo.to(tl.float32) / total)
+        z_high = _probit(tl.maximum(count_hi.to(tl.float32), 0.5) / total)
+        fraction = (_probit(aim / total) - z_low) / (z_high - z_low)
+    value = tl.where(step == 0, first_value, low_value + (high_value - low_value) * fraction)
     bits = value.to(tl.int32, bitcast=True)
     guess = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
     guess = tl.where(tl.abs(value) < float("inf"), guess, middle)  # an infinite end or NaN: bisect
     guess = tl.minimum(tl.maximum(guess, lo + 1), hi - 1)
-    return tl.where(step % 3 == 2, middle, guess)
+    return tl.where(bisect, middle, guess)
 
 
 @triton.jit
@@ -100,7 +110,7 @@ def _probe(key, weight, buf_ptr, span, pivot, FROM_BUFFER: tl.constexpr, TILE: t
 
 @triton.jit
 def _exact_threshold(key, weight, buf_ptr, span, r, lo, count_lo, hi, first_value,
-                     FROM_BUFFER: tl.constexpr, TILE: tl.constexpr):
+                     FROM_BUFFER: tl.constexpr, TILE: tl.constexpr, TAIL: tl.constexpr = False):
     """The r-th largest key and how many of the keys equal to it to take; with a `weight` per key (register keys
     only; 1 = count them), the largest key T whose keys at or above weigh at least r (the keys above T weigh
     less than r; what the ties take is then the caller's).
@@ -109,26 +119,37 @@ def _exact_threshold(key, weight, buf_ptr, span, r, lo, count_lo, hi, first_valu
     at once); `hi` is above every key.
     Each step probes a `_pivot` and moves an end onto the nearest key on its side (the low end onto
     the smallest key >= pivot, the high end one past the largest key < pivot), so the search ends as
-    soon as exactly r keys lie at or above the low end, or no key lies strictly between the ends.
-    Returns ``(T, ties)``: the top r are the keys > T and the first `ties` keys equal to T (`ties` is
-    INT32_MAX when the keys >= T are exactly r)."""
+    soon as exactly r keys lie at or above the low end, or no key lies strictly between the ends. Every third
+    step bisects the key range, or (TAIL: the keys are an upper tail, `_pivot`'s) each step whose count between
+    the ends is above half of what it was two steps before.
+    Returns ``(T, ties, probes)``: the top r are the keys > T and the first `ties` keys equal to T (`ties` is
+    INT32_MAX when the keys >= T are exactly r); `probes`, the steps taken (what a search costs)."""
     lo = lo.to(tl.int64)
     hi = hi.to(tl.int64)
     count_hi = tl.zeros((), tl.int32)
     total = count_lo.to(tl.float32)
     aim = r.to(tl.float32) - 0.5
     step = tl.zeros((), tl.int32)
+    between_before = tl.zeros((), tl.int32) + 2147483647  # the count between the ends one and two steps before
+    between_two_before = tl.zeros((), tl.int32) + 2147483647
     while (count_lo > r) & (hi - lo > 1):
-        pivot = _pivot(lo, hi, count_lo, count_hi, aim, total, first_value, step)
+        between = count_lo - count_hi
+        if TAIL:
+            bisect = between > between_two_before // 2
+        else:
+            bisect = step % 3 == 2
+        pivot = _pivot(lo, hi, count_lo, count_hi, aim, total, first_value, step, bisect, TAIL)
         at_least, up, down = _probe(key, weight, buf_ptr, span, pivot.to(tl.int32), FROM_BUFFER, TILE)
         go_up = at_least >= r
         lo = tl.where(go_up, up.to(tl.int64), lo)
         count_lo = tl.where(go_up, at_least, count_lo)
         hi = tl.where(go_up, hi, down.to(tl.int64) + 1)
         count_hi = tl.where(go_up, count_hi, at_least)
+        between_two_before = between_before
+        between_before = between
         step += 1
     ties = tl.where(count_lo == r, 2147483647, r - count_hi)
-    return lo.to(tl.int32), ties
+    return lo.to(tl.int32), ties, step
 
 
 @triton.jit
@@ -204,7 +225,7 @@ def _top_columns(out_row, key, cols, heavy, TILE: tl.constexpr, key_row, KEYS: t
     taken = tl.zeros((), tl.int32)
     if r > 0:
         first = _first_value(mean, std, count, r.to(tl.float32) - 0.5)
-        threshold, ties = _exact_threshold(key, 1, out_row, 0, r, smallest, count, largest.to(tl.int64) + 1,
+        threshold, ties, _ = _exact_threshold(key, 1, out_row, 0, r, smallest, count, largest.to(tl.int64) + 1,
                                            first, False, TILE)
         taken, _ = _write_columns(out_row, key, cols, threshold, ties, 0, 0, key_row, KEYS)
     _fill_empty(out_row, taken, heavy, TILE, key_row, KEYS)

@@ -271,7 +271,8 @@ def _label_topk_sketch(
             active = (count_lo > r + slack) & (hi - lo > 1)
             step = tl.zeros((), tl.int32)
             while tl.max(active.to(tl.int32), 0) > 0:
-                pivot = _pivot(lo, tl.where(active, hi, lo + 2), count_lo, count_hi, aim, total, first, step)
+                pivot = _pivot(lo, tl.where(active, hi, lo + 2), count_lo, count_hi, aim, total, first, step,
+                               step % 3 == 2)
                 at_least = key[None, :] >= pivot.to(tl.int32)[:, None]
                 count_at = tl.sum(at_least.to(tl.int32), 1)
                 up = tl.min(tl.where(at_least, key[None, :], 2147483647), 1)
@@ -509,8 +510,8 @@ def _select_candidates(out_row, packed, buf_ptr, span, bound, need, FROM_BUFFER:
     r = tl.minimum(need, count)  # == need: the sketch proves need keys >= L
     taken = tl.zeros((), tl.int32)
     if r > 0:
-        threshold, ties = _exact_threshold(key, 1, buf_ptr, span, r, bound, count, largest.to(tl.int64) + 1,
-                                           _first_value(mean, std, count, r - 0.5), FROM_BUFFER, TILE)
+        threshold, ties, _ = _exact_threshold(key, 1, buf_ptr, span, r, bound, count, largest.to(tl.int64) + 1,
+                                           _first_value(mean, std, count, r - 0.5), FROM_BUFFER, TILE, True)
         if FROM_BUFFER:
             tie_base = tl.zeros((), tl.int32)
             for t in range(0, span, TILE):
@@ -547,12 +548,14 @@ def _code_words(codes: torch.Tensor, bits: int, channels: int) -> tuple[int, int
     raise ValueError("16-bit label codes are not 2-byte aligned")
 
 
-def sketch_levels(heavy: int, chunks: int) -> list[int]:
-    """The LEVELS target ranks of a chunk's sketch (ascending, capped at heavy): its share of the row's heavy
-    tokens ``s = ceil(heavy / chunks)``, 2 s, 8 s and `heavy`; with 8 chunks or fewer (8 s would be `heavy`
-    again) s, 1.25 s, 2 s and `heavy`, so that the bound L lies closer to the heavy-th key where the top keys
-    spread over the chunks."""
-    share = max(1, -(-heavy // chunks))
+def sketch_levels(heavy: int, n: int, size: int) -> list[int]:
+    """The LEVELS target ranks of a chunk's sketch (ascending, capped at heavy), for a row of `n` columns in chunks of
+    `size`: its share of the row's heavy tokens by columns ``s = ceil(heavy * size / n)``, 2 s, 8 s and `heavy`; where
+    8 s would be `heavy` again (8 chunks' worth of columns or fewer) s, 1.25 s, 2 s and `heavy`, so that the bound L
+    lies closer to the heavy-th key where the top keys spread over the chunks. By columns, not chunks: a last chunk of
+    a few columns (a 32k prompt's cache and its new tokens: 8 chunks and a few columns) holds no share of the top keys,
+    and counting it as a chunk would lower every other chunk's levels and double the candidates the bound admits."""
+    share = max(1, -(-heavy * size // n))
     if 8 * share >= heavy:
         return [min(share, heavy), min(share + share // 4, heavy), min(2 * share, heavy), heavy]
     return [min(share, heavy), min(2 * share, heavy), min(8 * share, heavy), heavy]
@@ -859,7 +862,7 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
     chunks = triton.cdiv(n, size)
     tile = tile or tail_tile(heavy, chunks)
     row_heads = count * n_heads
-    levels = sketch_levels(heavy, chunks)
+    levels = sketch_levels(heavy, n, size)
     common = dict(
         HEADS=n_heads, R=r, R_PAD=triton.next_power_of_2(r), BITS=bits, LOAD_BYTES=load_bytes, GROUP=group, **flags,
         PER_ROW_CHANNELS=from_query and channels.shape[0] > 1, FROM_QUERY=from_query,

@@ -64,7 +64,7 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
     hi = hi.to(tl.int64) + 1
     total = tl.sum(cost, 0)
     guess = _first_value(mean, std, tl.maximum(total, 1), slots - 0.5)
-    stop, _ = _exact_threshold(key, cost, best_out, 0, slots, lo, total, hi, guess, False, K_P)
+    stop, _, _ = _exact_threshold(key, cost, best_out, 0, slots, lo, total, hi, guess, False, K_P, True)
     above = given & (key > stop)
     tie = given & (key == stop)
     room = K - tl.sum(tl.where(above, cost, 0), 0)
@@ -80,8 +80,8 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
     tl.store(out + i, tl.full([K_P], -1, tl.int64), mask=(i >= tl.sum(count, 0)) & (i < K))
     if TOP > 0:  # the best TOP given columns
         top = tl.zeros((), tl.int32) + TOP
-        best, ties = _exact_threshold(key, 1, best_out, 0, top, lo, given_count, hi,
-                                      _first_value(mean, std, tl.maximum(given_count, 1), top - 0.5), False, K_P)
+        best, ties, _ = _exact_threshold(key, 1, best_out, 0, top, lo, given_count, hi,
+                                      _first_value(mean, std, tl.maximum(given_count, 1), top - 0.5), False, K_P, True)
         taken, _ = _write_columns(best_out, key, columns, best, ties, 0, 0, best_out, False)  # not given: never taken
         tl.store(best_out + i, tl.full([K_P], -1, tl.int64), mask=(i >= taken) & (i < TOP))
 
