@@ -17,6 +17,10 @@
 #              (candidate_timing.py --score-tiles), then the label top-k at heavy 3,776 with its last program's tile
 #              of 4,096 and 8,192 candidates (label_topk_timing.py --tile), then a candidate top-k program's stages over
 #              its keys once scored: load, moments, search, writes (search_timing.py, C = 1,728 at 8-512 programs)
+#   stepkinds  the refinement presets' decode steps by kind (step_kinds.py: each kind's replay by CUDA events, the
+#              synchronised step) at B16 x 4k and B4 x 32k against 1/2-1/2-1/2 (STEP_KINDS_PATHS, STEP_KINDS_PATHS_32K
+#              override the paths), after the searches over a selection's own keys (tail_search.py: probes and time,
+#              normal against tail pivots)
 #   linear     the decode step's weight products, decode_linear_triton's tiles against cuBLAS (decode_linear.py)
 #   crossover  shared prefix or per-row dense decode attention under CUDA graphs (prefix_crossover.py)
 #   refine32k  Llama-3-8B shape B4 x 32k (one row in four padded), 64 new tokens timed per step:
@@ -166,6 +170,14 @@ one_gpu_part() {
           --json "$OUT/label_topk_tile$tile.json" 2>&1 | tee "$OUT/label_topk_tile$tile.log"
       done
       timeout 90 python3 benchmarks/search_timing.py --programs 8,32,512 2>&1 | tee "$OUT/search_timing.log" ;;
+    stepkinds)
+      timeout 150 python3 benchmarks/tail_search.py --padded 2>&1 | tee "$OUT/tail_search.log"
+      timeout 200 python3 benchmarks/step_kinds.py --shape llama2-7b --batch 16 --prompt 4096 \
+        --paths "${STEP_KINDS_PATHS:-$HS@512,hshare-refine-successors-c4@512,hshare-refine-successors@512,hshare-auto@512}" \
+        2>&1 | tee "$OUT/step_kinds_b16_p4k.log"
+      timeout 250 python3 benchmarks/step_kinds.py --shape llama3-8b --batch 4 --prompt 32768 --padded \
+        --paths "${STEP_KINDS_PATHS_32K:-$HS@1024,hshare-refine-successors-c4@1024,hshare-refine-successors@1024,hshare-auto@1024}" \
+        2>&1 | tee "$OUT/step_kinds_b4_p32k.log" ;;
     linear)
       timeout 400 python3 benchmarks/decode_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/decode_linear.log" ;;
     crossover)
@@ -534,12 +546,12 @@ eval_part() {
 
 run_part() {
   case $1 in
-    suite|tests|selection|linear|crossover|refine32k|long32k|long128k|llama2|unfused|llama3|prefix|b8|prefill|profile|gather|topk|labelchunks|peak|long|grid|gridquest|candidates|refinetail|refineplans|ab) one_gpu_part "$1" ;;
+    suite|tests|selection|linear|crossover|refine32k|long32k|long128k|llama2|unfused|llama3|prefix|b8|prefill|profile|gather|topk|labelchunks|peak|long|grid|gridquest|candidates|refinetail|stepkinds|refineplans|ab) one_gpu_part "$1" ;;
     tests2gpu|tp8b|one8b|tp70b|devmap|fallback0|table2gpu) two_gpu_part "$1" 2>&1 | tee "$OUT/$1.log" ;;
     setup|fidelity|gsm8k|multi_news|ablation|ruler|fidelity8k|evalcmd)
       eval_part "$1" 2>&1 | tee "$OUT/$1.log" ;;
     *)
-      echo "unknown part '$1'; accepted: suite tests selection crossover refine32k long32k long128k llama2 unfused llama3 prefix b8 prefill profile gather topk labelchunks peak candidates refinetail refineplans ab" \
+      echo "unknown part '$1'; accepted: suite tests selection crossover refine32k long32k long128k llama2 unfused llama3 prefix b8 prefill profile gather topk labelchunks peak candidates refinetail stepkinds refineplans ab" \
         "long grid gridquest | tests2gpu tp8b one8b tp70b devmap fallback0 table2gpu | setup fidelity gsm8k multi_news" \
         "ablation ruler fidelity8k evalcmd" >&2
       return 2 ;;
