@@ -18,7 +18,7 @@ Keys that are the *upper tail* of a larger set (TAIL: a selection's top columns 
 keys at or above a label top-k's bound) are not normal: their counts fall about exponentially with the score from
 their smallest key on. Their search interpolates the score in the logarithm of the counts instead, and bisects the
 key range only where the two steps before did not halve the count between the ends (fewer probes at such keys:
-`benchmarks/RESULTS.md`, "Searches over an upper tail").
+`benchmarks/RESULTS.md`, "The refinement presets' selection step").
 """
 
 from __future__ import annotations
@@ -226,6 +226,6 @@ def _top_columns(out_row, key, cols, heavy, TILE: tl.constexpr, key_row, KEYS: t
     if r > 0:
         first = _first_value(mean, std, count, r.to(tl.float32) - 0.5)
         threshold, ties, _ = _exact_threshold(key, 1, out_row, 0, r, smallest, count, largest.to(tl.int64) + 1,
-                                           first, False, TILE)
+                                              first, False, TILE)
         taken, _ = _write_columns(out_row, key, cols, threshold, ties, 0, 0, key_row, KEYS)
     _fill_empty(out_row, taken, heavy, TILE, key_row, KEYS)

@@ -15,8 +15,8 @@ The search for an exact r-th key is `key_search_triton._exact_threshold`.
 * Several chunks: two launches, each a program per (row-head, chunk).
 
   1. `_label_topk_sketch` scores its chunk and records a *sketch* of it: for ``LEVELS`` target ranks
-     (`sketch_levels`: the chunk's share of `heavy`, two multiples of it, and `heavy`) a key t with the exact number
-     c of the chunk's keys >= t, ``r <= c <= r + r / 4`` (the search for all levels at once, stopped
+     (`sketch_levels`: the chunk's share of `heavy` by columns, two multiples of it, and `heavy`) a key t with the
+     exact number c of the chunk's keys >= t, ``r <= c <= r + r / 4`` (the search for all levels at once, stopped
      at that window), plus the chunk's count of keys and its largest and smallest key. It also writes
      the chunk's *list*: its keys >= the heavy level's key t (key and column packed in an int64, in
      column order; of the keys equal to t only the first ``heavy - (keys above t)``), at most
@@ -32,8 +32,9 @@ The search for an exact r-th key is `key_search_triton._exact_threshold`.
      copies its chunk's listed keys >= L (of the keys equal to L only as many as the row can still
      need) into its range and a sentinel into the rest; the last program of the row-head to finish (an
      atomic ticket, the others' writes released before it) searches the exact heavy-th key among the
-     candidates (held in registers when they fit one tile, else read again from L2 at every step)
-     and writes the columns above it and the first columns equal to it, ascending.
+     candidates (held in registers when they fit one tile, else read again from L2 at every step; the
+     search's tail pivots, `key_search_triton`: the candidates are the row's upper tail) and writes the
+     columns above it and the first columns equal to it, ascending.
 
 Bytes: the labels are read once, the mask, if any, once per head (shared in L2); nothing of width n is
 written. A chunk's code loads do not wait for its mask (the mask applies to the keys). The sketches are 64
@@ -510,8 +511,9 @@ def _select_candidates(out_row, packed, buf_ptr, span, bound, need, FROM_BUFFER:
     r = tl.minimum(need, count)  # == need: the sketch proves need keys >= L
     taken = tl.zeros((), tl.int32)
     if r > 0:
+        # the candidates are the keys at or above L, an upper tail: the tail pivots
         threshold, ties, _ = _exact_threshold(key, 1, buf_ptr, span, r, bound, count, largest.to(tl.int64) + 1,
-                                           _first_value(mean, std, count, r - 0.5), FROM_BUFFER, TILE, True)
+                                              _first_value(mean, std, count, r - 0.5), FROM_BUFFER, TILE, True)
         if FROM_BUFFER:
             tie_base = tl.zeros((), tl.int32)
             for t in range(0, span, TILE):

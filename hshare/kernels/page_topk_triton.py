@@ -80,7 +80,7 @@ def _page_heavy(
         aim = (r.to(tl.float32) - 0.5) * taken_pages.to(tl.float32) / total.to(tl.float32)  # in pages
         first = _first_value(mean, std, taken_pages, aim)
         threshold, ties, _ = _exact_threshold(key, weight, out_row, 0, r, smallest, total, largest.to(tl.int64) + 1,
-                                           first, False, TILE)
+                                              first, False, TILE)
     # 3. what each page takes (the tied pages in page order, the last one cut), and its first slot
     tie = key == threshold
     tie_weight = tl.where(tie, weight, 0)

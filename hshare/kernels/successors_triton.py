@@ -9,9 +9,9 @@ into it first: one sort of (column, score key) packed in int64). The walk needs 
    ranked before it where its score key is higher, or equal with the smaller column;
 2. each column then costs 0, 1 or 2 slots, whatever the walk takes before it. The walk stops at the score
    key t where the columns ranked at or above it first cost k slots: the search of
-   `key_search_triton._exact_threshold` with each key weighed by its cost (a few block reductions at the
-   scores' distributions). Columns above t take their slots, the columns at t take what is left
-   in column order (their rank order), the last of them perhaps its own slot only;
+   `key_search_triton._exact_threshold` with each key weighed by its cost (a few block reductions; the tail
+   pivots, since the walk's keys are a selection's top columns). Columns above t take their slots, the columns
+   at t take what is left in column order (their rank order), the last of them perhaps its own slot only;
 3. the slots are a cumulative sum in column order, so the taken columns come out ascending.
 
 The best `top` given columns: the same search counting columns, ties in column order, written ascending.
@@ -81,7 +81,8 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
     if TOP > 0:  # the best TOP given columns
         top = tl.zeros((), tl.int32) + TOP
         best, ties, _ = _exact_threshold(key, 1, best_out, 0, top, lo, given_count, hi,
-                                      _first_value(mean, std, tl.maximum(given_count, 1), top - 0.5), False, K_P, True)
+                                         _first_value(mean, std, tl.maximum(given_count, 1), top - 0.5), False, K_P,
+                                         True)
         taken, _ = _write_columns(best_out, key, columns, best, ties, 0, 0, best_out, False)  # not given: never taken
         tl.store(best_out + i, tl.full([K_P], -1, tl.int64), mask=(i >= taken) & (i < TOP))
 
