@@ -8,17 +8,16 @@ score has the key ``INT32_MIN`` (never counted).
 The search (`_exact_threshold`): for a target count r, keys ``lo < hi`` with at least r keys (or key weight)
 at or above `lo` and less at or above `hi`; each step probes a pivot key (first the scores' mean + std
 times the normal quantile of r / count, then linear interpolation of the score in the normal quantiles of
-the counts at the ends, every third step the middle of the key range) with one pass of three block
-reductions in one `tl.reduce` (count >= pivot, the nearest key above, the nearest below) and moves an end
-onto the nearest key on its side. It ends when exactly r keys lie at or above `lo`, or no key lies between
-the ends (then the keys equal to `lo` are ties: the first in column order are taken). Few steps at the
-scores' distributions; the key range halves at least every three steps.
+the counts at the ends; the middle of the key range where the count between the ends did not halve over the three
+steps before) with one pass of three block reductions in one `tl.reduce` (count >= pivot, the nearest key above, the
+nearest below) and moves an end onto the nearest key on its side. It ends when exactly r keys lie at or above `lo`,
+or no key lies between the ends (then the keys equal to `lo` are ties: the first in column order are taken). Few
+steps at the scores' distributions; every four steps halve the count between the ends or the key range.
 
 Keys that are the *upper tail* of a larger set (TAIL: a selection's top columns walked with their successors, the
 keys at or above a label top-k's bound) are not normal: their counts fall about exponentially with the score from
-their smallest key on. Their search interpolates the score in the logarithm of the counts instead, and bisects the
-key range only where the two steps before did not halve the count between the ends (fewer probes at such keys:
-`benchmarks/RESULTS.md`, "The refinement presets' selection step").
+their smallest key on. Their search interpolates the score in the logarithm of the counts instead (fewer probes at
+such keys: `benchmarks/RESULTS.md`, "The refinement presets' selection step").
 """
 
 from __future__ import annotations
@@ -119,9 +118,9 @@ def _exact_threshold(key, weight, buf_ptr, span, r, lo, count_lo, hi, first_valu
     at once); `hi` is above every key.
     Each step probes a `_pivot` and moves an end onto the nearest key on its side (the low end onto
     the smallest key >= pivot, the high end one past the largest key < pivot), so the search ends as
-    soon as exactly r keys lie at or above the low end, or no key lies strictly between the ends. Every third
-    step bisects the key range, or (TAIL: the keys are an upper tail, `_pivot`'s) each step whose count between
-    the ends is above half of what it was two steps before.
+    soon as exactly r keys lie at or above the low end, or no key lies strictly between the ends. A step whose
+    count between the ends is above half of what it was three steps before bisects the key range. TAIL: the keys
+    are an upper tail (`_pivot`'s interpolation).
     Returns ``(T, ties, probes)``: the top r are the keys > T and the first `ties` keys equal to T (`ties` is
     INT32_MAX when the keys >= T are exactly r); `probes`, the steps taken (what a search costs)."""
     lo = lo.to(tl.int64)
@@ -130,23 +129,22 @@ def _exact_threshold(key, weight, buf_ptr, span, r, lo, count_lo, hi, first_valu
     total = count_lo.to(tl.float32)
     aim = r.to(tl.float32) - 0.5
     step = tl.zeros((), tl.int32)
-    between_before = tl.zeros((), tl.int32) + 2147483647  # the count between the ends one and two steps before
-    between_two_before = tl.zeros((), tl.int32) + 2147483647
+    # the count between the ends one, two and three steps before
+    between_1 = tl.zeros((), tl.int32) + 2147483647
+    between_2 = tl.zeros((), tl.int32) + 2147483647
+    between_3 = tl.zeros((), tl.int32) + 2147483647
     while (count_lo > r) & (hi - lo > 1):
         between = count_lo - count_hi
-        if TAIL:
-            bisect = between > between_two_before // 2
-        else:
-            bisect = step % 3 == 2
-        pivot = _pivot(lo, hi, count_lo, count_hi, aim, total, first_value, step, bisect, TAIL)
+        pivot = _pivot(lo, hi, count_lo, count_hi, aim, total, first_value, step, between > between_3 // 2, TAIL)
         at_least, up, down = _probe(key, weight, buf_ptr, span, pivot.to(tl.int32), FROM_BUFFER, TILE)
         go_up = at_least >= r
         lo = tl.where(go_up, up.to(tl.int64), lo)
         count_lo = tl.where(go_up, at_least, count_lo)
         hi = tl.where(go_up, hi, down.to(tl.int64) + 1)
         count_hi = tl.where(go_up, count_hi, at_least)
-        between_two_before = between_before
-        between_before = between
+        between_3 = between_2
+        between_2 = between_1
+        between_1 = between
         step += 1
     ties = tl.where(count_lo == r, 2147483647, r - count_hi)
     return lo.to(tl.int32), ties, step
