@@ -59,7 +59,10 @@
 #              `python3 -m hshare.bench.grid` (default: Llama-2-7B shape B16 x 4k, 32 new tokens, two rounds, ds@512),
 #              AB_ROUNDS processes a side (default 2) of at most AB_SECONDS (default 150); JSON in $OUT/ab_base_K/ and
 #              ab_new_K/, the table (`benchmarks/ab_table.py`) in $OUT/ab.md. A kernel's timing alone can mislead
-#              (`benchmarks/RESULTS.md`, "The label top-k in one program in the decode step"): the decode step decides
+#              (`benchmarks/RESULTS.md`, "The label top-k in one program in the decode step"): the decode step decides.
+#              AB_TOOL=steps: `benchmarks/step_kinds.py` instead of the grid (AB_ARGS its arguments; default Llama-3-8B
+#              B4 x 32k, 1/2-1/2-1/2 and hshare-refine-successors-c4 at @1024): each kind of step by CUDA events and the
+#              synchronised step, every run's table in $OUT/ab.log
 #   gridquest  the same crossover for Quest (Llama-3-8B shape, rows {1, 4, 16} x prompts {4k, 16k, 32k, 128k}): dense
 #              against quest@1024 with the fallback off, and what the default rule runs (a run of at most 300 s);
 #              QUEST_GRID_PATHS, QUEST_GRID_SHAPE (e.g. llama2-7b for MHA), QUEST_GRID_ROWS and QUEST_GRID_PROMPTS
@@ -186,22 +189,33 @@ one_gpu_part() {
       grid 300 --shapes llama3-8b --rows 4 --prompts 32k --new-tokens 64 --padded --name refine_b4_p32k \
         --paths "${REFINE32K_PATHS:-$HS@1024,hshare-refine@1024,hshare-refine@1024+candidates=4,quest@1024}" ;;
     ab)
-      local base=${AB_BASE:-.ab-base} out k side site args
+      local base=${AB_BASE:-.ab-base} out k side site args here=$PWD
       out=$(cd "$OUT" && pwd)  # the runs start in /tmp
       [ -f "$base/pyproject.toml" ] || { echo "ab: no tree in $base (git archive REV | tar -x -C $base; carry it)" >&2
                                          return 2; }
       python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/ab-base "$base" 2>&1 | tail -2
-      read -r -a args <<< "${AB_ARGS:---shapes llama2-7b --rows 16 --prompts 4k --new-tokens 32 --rounds 2 --paths ds@512}"
+      if [ "${AB_TOOL:-grid}" = steps ]; then
+        read -r -a args <<< "${AB_ARGS:---shape llama3-8b --batch 4 --prompt 32768 --padded --paths $HS@1024,hshare-refine-successors-c4@1024}"
+      else
+        read -r -a args <<< "${AB_ARGS:---shapes llama2-7b --rows 16 --prompts 4k --new-tokens 32 --rounds 2 --paths ds@512}"
+      fi
       for k in $(seq "${AB_ROUNDS:-2}"); do
         for side in base new; do
           site=; [ "$side" = base ] && site=/tmp/ab-base
           # from /tmp: the checkout's own package, first on the path of `python3 -m` run here, would hide the base's
-          (cd /tmp && PYTHONPATH=$site timeout "${AB_SECONDS:-150}" python3 -m hshare.bench.grid \
-            --out "$out/ab_${side}_$k" --time-limit "$((${AB_SECONDS:-150} - 40))" "${args[@]}" 2>&1 | grep -v Warning \
-            | tee -a "$out/ab.log" | tail -2)
+          if [ "${AB_TOOL:-grid}" = steps ]; then
+            mkdir -p "$out/ab_${side}_$k"
+            (cd /tmp && OUT="$out/ab_${side}_$k" PYTHONPATH=$site timeout "${AB_SECONDS:-150}" \
+              python3 "$here/benchmarks/step_kinds.py" "${args[@]}" 2>&1 | grep -v Warning \
+              | sed "s/^/$side $k: /" | tee -a "$out/ab.log" | tail -6)
+          else
+            (cd /tmp && PYTHONPATH=$site timeout "${AB_SECONDS:-150}" python3 -m hshare.bench.grid \
+              --out "$out/ab_${side}_$k" --time-limit "$((${AB_SECONDS:-150} - 40))" "${args[@]}" 2>&1 | grep -v Warning \
+              | tee -a "$out/ab.log" | tail -2)
+          fi
         done
       done
-      python3 benchmarks/ab_table.py "$OUT" | tee "$OUT/ab.md" ;;
+      [ "${AB_TOOL:-grid}" = steps ] || python3 benchmarks/ab_table.py "$OUT" | tee "$OUT/ab.md" ;;
     refineplans)
       budget=hshare-refine-successors-c4@512+planner=auto+layer_sharing=1/8+head_sharing=1/3+share_scorings
       ROUNDS=2 grid 360 --shapes llama2-7b --rows 16 --prompts 4k --new-tokens 64 --name refine_plans_b16_p4k \
