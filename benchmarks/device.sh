@@ -189,7 +189,7 @@ one_gpu_part() {
       grid 300 --shapes llama3-8b --rows 4 --prompts 32k --new-tokens 64 --padded --name refine_b4_p32k \
         --paths "${REFINE32K_PATHS:-$HS@1024,hshare-refine@1024,hshare-refine@1024+candidates=4,quest@1024}" ;;
     ab)
-      local base=${AB_BASE:-.ab-base} out k side site args here=$PWD
+      local base=${AB_BASE:-.ab-base} out k side site args
       out=$(cd "$OUT" && pwd)  # the runs start in /tmp
       [ -f "$base/pyproject.toml" ] || { echo "ab: no tree in $base (git archive REV | tar -x -C $base; carry it)" >&2
                                          return 2; }
@@ -206,7 +206,7 @@ one_gpu_part() {
           if [ "${AB_TOOL:-grid}" = steps ]; then
             mkdir -p "$out/ab_${side}_$k"
             (cd /tmp && OUT="$out/ab_${side}_$k" PYTHONPATH=$site timeout "${AB_SECONDS:-150}" \
-              python3 "$here/benchmarks/step_kinds.py" "${args[@]}" 2>&1 | grep -v Warning \
+              python3 "$ROOT/benchmarks/step_kinds.py" "${args[@]}" 2>&1 | grep -v Warning \
               | sed "s/^/$side $k: /" | tee -a "$out/ab.log" | tail -6)
           else
             (cd /tmp && PYTHONPATH=$site timeout "${AB_SECONDS:-150}" python3 -m hshare.bench.grid \
