@@ -2,13 +2,13 @@
 
 For each path: a warm ``generate`` of N new tokens, then one with every graph replay bracketed by CUDA events
 (`StepGraphs.replay`, per step kind: ``select``, ``reuse``, ...) and no synchronisation inside it, then one that
-waits for the GPU after every token (the bench's ``--timing steps``). Printed per path: each kind's replays and
+waits for the GPU after every token (the bench's ``--timing steps``, by its own function). Printed per path: each kind's replays and
 GPU milliseconds a replay (mean, min), the steps' mean GPU time (kinds weighted by their replays), the host's
 milliseconds between the starts of two replays without waiting (the host's own pace), and the step of the
 synchronised generate (GPU time plus what the host does between a token's end and the next replay's launch).
 The ratios to the first path (or `--base`) say whether a gap between paths is the GPU's work or the host's. With
 `--kernels`, one more ``generate`` profiles one replay of each kind (the eighth) and prints, per kind, the kernels
-whose GPU time differs most from the first path's (with programmatic dependent launches on, a kernel's time holds
+whose GPU time differs most from the base path's (with programmatic dependent launches on, a kernel's time holds
 its wait for the one before it).
 
     python3 benchmarks/step_kinds.py --shape llama3-8b --batch 4 --prompt 32768 --padded \
@@ -18,11 +18,13 @@ its wait for the one before it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -31,72 +33,61 @@ from transformers import StoppingCriteriaList
 import hshare
 from hshare import compat
 from hshare.bench.generate import StepClock, build_model, make_prompts, release_memory
+from hshare.bench.generate import _time_steps as time_steps
 from hshare.config import split_overrides
 from hshare.graphs import StepGraphs
 
 
+@contextlib.contextmanager
+def around_replays(hook) -> Iterator[None]:
+    """While active, `StepGraphs.replay(graphs, kind)` runs as ``hook(replay, graphs, kind)`` (`replay`: the
+    original)."""
+    original = StepGraphs.replay
+    StepGraphs.replay = lambda graphs, kind: hook(original, graphs, kind)
+    try:
+        yield
+    finally:
+        StepGraphs.replay = original
+
+
 class ReplayKernels:
-    """While active, the `at`-th replay of each kind runs under the profiler: its kernels' GPU microseconds by
-    name (and launches)."""
+    """A replay hook: the `at`-th replay of each kind runs under the profiler; `kernels[kind]`, its kernels' GPU
+    microseconds and launches by name."""
 
     def __init__(self, at: int = 8) -> None:
         self.at = at
         self.seen: dict[str, int] = defaultdict(int)
         self.kernels: dict[str, dict[str, list]] = {}
-        self.original = StepGraphs.replay
 
-    def __enter__(self) -> "ReplayKernels":
-        original = self.original
-
-        def replay(graphs: StepGraphs, kind):
-            kind_name = str(kind)
-            self.seen[kind_name] += 1
-            if self.seen[kind_name] != self.at:
-                return original(graphs, kind)
+    def __call__(self, replay, graphs: StepGraphs, kind):
+        self.seen[str(kind)] += 1
+        if self.seen[str(kind)] != self.at:
+            return replay(graphs, kind)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = replay(graphs, kind)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                out = original(graphs, kind)
-                torch.cuda.synchronize()
-            totals: dict[str, list] = {}
-            for event in prof.key_averages():
-                if event.device_time_total > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
-                    totals[event.key] = [event.device_time_total, event.count]
-            self.kernels[kind_name] = totals
-            return out
-
-        StepGraphs.replay = replay
-        return self
-
-    def __exit__(self, *exc) -> None:
-        StepGraphs.replay = self.original
+        cuda = torch.autograd.DeviceType.CUDA
+        self.kernels[str(kind)] = {event.key: [event.device_time_total, event.count] for event in prof.key_averages()
+                                   if event.device_type == cuda and event.device_time_total > 0}
+        return out
 
 
 class ReplayEvents:
-    """While active, each `StepGraphs.replay` records a CUDA event before and after it (per kind) and the host
-    clock at its launch."""
+    """A replay hook: a CUDA event before and after each replay (per kind), and the host clock at its launch."""
 
     def __init__(self) -> None:
         self.events: dict[str, list] = defaultdict(list)
         self.host: list[float] = []
-        self.original = StepGraphs.replay
 
-    def __enter__(self) -> "ReplayEvents":
-        original = self.original
-
-        def replay(graphs: StepGraphs, kind):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.host.append(time.perf_counter())
-            start.record()
-            out = original(graphs, kind)
-            end.record()
-            self.events[str(kind)].append((start, end))
-            return out
-
-        StepGraphs.replay = replay
-        return self
-
-    def __exit__(self, *exc) -> None:
-        StepGraphs.replay = self.original
+    def __call__(self, replay, graphs: StepGraphs, kind):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.host.append(time.perf_counter())
+        start.record()
+        out = replay(graphs, kind)
+        end.record()
+        self.events[str(kind)].append((start, end))
+        return out
 
     def summary(self) -> dict:
         torch.cuda.synchronize()
@@ -113,33 +104,37 @@ class ReplayEvents:
 
 def measure(model, path: str, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, kernels: bool) -> dict:
     name, overrides = split_overrides(path)
-    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0, max_new_tokens=new_tokens,
-                  min_new_tokens=new_tokens)
+    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
     with hshare.patched(model, name, **overrides):
-        def generate(**extra):
-            return model.generate(ids, **kwargs, **{compat.CACHE_KWARG: hshare.new_cache(model)}, **extra)
+        def generate(tokens: int = new_tokens, clock: StepClock | None = None):
+            extra = {compat.CACHE_KWARG: hshare.new_cache(model)}
+            if clock is not None:  # as the bench's per-step timing (`hshare.bench.generate`) calls it
+                extra["stopping_criteria"] = StoppingCriteriaList([clock])
+                clock.start = time.perf_counter()
+            return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs, **extra)
 
         generate()  # capture, compile
         torch.cuda.synchronize()
-        with ReplayEvents() as events:
+        events = ReplayEvents()
+        with around_replays(events):
             generate()
         row = events.summary()
-        clock = StepClock([ids.device])
-        clock.start = time.perf_counter()
-        generate(stopping_criteria=StoppingCriteriaList([clock]))
-        first = max(1, (new_tokens - 1) // 4) + 1
-        row["synced_step_ms"] = 1e3 * (clock.times[-1] - clock.times[first - 1]) / (new_tokens - first)
+        batch = ids.shape[0]
+        valid = float(mask.sum()) / batch
+        runs, _ = time_steps(generate, [ids.device], batch, valid, new_tokens, 1)
+        row["synced_step_ms"] = 1e3 * batch / runs[0].rate
         if kernels:
-            with ReplayKernels() as profiled:
+            profiled = ReplayKernels()
+            with around_replays(profiled):
                 generate()
             row["kernels_us"] = profiled.kernels
     return row
 
 
-def print_kernels(results: dict, paths: list[str], top: int = 14) -> None:
-    """Per kind, the kernels whose time differs most from the first path's (first round), us and launches."""
-    base = results[paths[0]][0]["kernels_us"]
-    for path in paths[1:]:
+def print_kernels(results: dict, base_path: str, top: int = 14) -> None:
+    """Per kind, the kernels whose time differs most from `base_path`'s (first round), us and launches."""
+    base = results[base_path][0]["kernels_us"]
+    for path in (p for p in results if p != base_path):
         for kind, totals in sorted(results[path][0]["kernels_us"].items()):
             reference = base.get(kind, {})
             names = set(totals) | set(reference)
@@ -163,7 +158,7 @@ def main() -> None:
     parser.add_argument("--paths", default="hshare-1_2-1_2-1_2@1024,hshare-refine-successors-c4@1024")
     parser.add_argument("--base", default=None, help="the path the ratios are to (default: the first)")
     parser.add_argument("--kernels", action="store_true",
-                        help="also profile one replay of each kind: kernels against the first path's")
+                        help="also profile one replay of each kind: kernels against the base path's")
     parser.add_argument("--rounds", type=int, default=1, help="the paths in turn, this many times")
     args = parser.parse_args()
     model = build_model(args.shape, args.layers, "cuda", torch.bfloat16, args.prompt + args.new_tokens + 8)
@@ -175,10 +170,11 @@ def main() -> None:
         for path in paths:
             results[path].append(measure(model, path, ids, mask, args.new_tokens, args.kernels))
             release_memory("cuda")
-    base = results[args.base or paths[0]]
+    base_path = args.base or paths[0]
+    base = results[base_path]
     print(f"{args.shape} B{args.batch} x {args.prompt}{' padded' if args.padded else ''}, {args.new_tokens} new tokens")
-    print(f"| path | round | kinds: replays, GPU ms a replay (min) | GPU step ms | of {args.base or paths[0]} "
-          f"| host period ms | synced step ms | of {args.base or paths[0]} |")
+    print(f"| path | round | kinds: replays, GPU ms a replay (min) | GPU step ms | of {base_path} | host period ms "
+          f"| synced step ms | of {base_path} |")
     print("|---|---|---|---|---|---|---|---|")
     for path, rows in results.items():
         for k, row in enumerate(rows):
@@ -188,11 +184,10 @@ def main() -> None:
                   f"{base[k]['gpu_step_ms'] / row['gpu_step_ms']:.3f} | {row['host_launch_period_ms']:.3f} | "
                   f"{row['synced_step_ms']:.3f} | {base[k]['synced_step_ms'] / row['synced_step_ms']:.3f} |")
     if args.kernels:
-        print_kernels(results, paths)
+        print_kernels(results, base_path)
     if os.environ.get("OUT"):
         name = f"step_kinds_{args.shape}_b{args.batch}_p{args.prompt}.json"
-        Path(os.environ["OUT"], name).write_text(json.dumps({"args": vars(args), "results": results},
-                                                                         indent=1))
+        Path(os.environ["OUT"], name).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ steps at the scores' distributions; every four steps halve the count between the
 
 Keys that are the *upper tail* of a larger set (TAIL: a selection's top columns walked with their successors, the
 keys at or above a label top-k's bound) are not normal: their counts fall about exponentially with the score from
-their smallest key on. Their search interpolates the score in the logarithm of the counts instead (fewer probes at
-such keys: `benchmarks/RESULTS.md`, "The refinement presets' selection step").
+their smallest key on. Their search interpolates the score in the logarithm of the counts instead, which takes fewer
+probes at such keys.
 """
 
 from __future__ import annotations
