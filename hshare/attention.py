@@ -232,12 +232,13 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
     if rows is None or len(rows):
         middle, source_heads, head_slot, _ = _source_rows(share, step.windows.selectable)
         heads = None if share.all_heads else source_heads
-        if config.sharing.successors:
-            chosen, _ = layer.policy.decode_heavy_successors(query[:, :, 0], middle, config.budget.heavy, rows, heads)
+        if config.sharing.successors:  # every head's entries at once
+            chosen, _ = layer.policy.decode_heavy_successors(query[:, :, 0], middle, config.budget.heavy, rows, heads,
+                                                             head_slot=None if share.all_heads else head_slot)
         else:
             chosen = layer.policy.decode_heavy(query[:, :, 0], middle, config.budget.heavy, rows, heads)
-        if not share.all_heads:
-            chosen = per_head(chosen, head_slot)
+            if not share.all_heads:
+                chosen = per_head(chosen, head_slot)
         heavy = _in_batch(chosen, rows, query.shape[0])
     for source_layer, copy_rows in share.copy_groups:
         source = cache.layers[source_layer].heavy

@@ -199,13 +199,16 @@ class LabelCache(SelectionPolicy):
                                  self.bits, heavy, selectable=selectable, rows=rows, heads=heads)
 
     def decode_heavy_successors(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int,
-                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, top: int = 0
+                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, top: int = 0,
+                                head_slot: torch.Tensor | None = None,
+                                out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The top `heavy` columns by label scores walked with their successors, and their best `top`, each column
         scored once (`kernels.decode_label_topk_walk`; CUDA: the fused top-k writes its columns' keys and the walk
-        reads them)."""
+        reads them, and writes every selection head's entries where `head_slot` is given)."""
         return decode_label_topk_walk(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
-                                      self.bits, heavy, selectable, rows, heads, top=top)
+                                      self.bits, heavy, selectable, rows, heads, top=top, head_slot=head_slot,
+                                      out=out)
 
     def successor_rescorings(self, walked: int) -> int:
         return 0  # the walk takes the selection's own scores (`decode_heavy_successors`)

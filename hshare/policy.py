@@ -30,7 +30,7 @@ import torch
 from hshare.buffer import GrowingBuffer
 from hshare.config import ConfigError, HShareConfig, PolicyConfig
 from hshare.kernels import NO_TOKEN, CriticalWindows, select_heavy, with_critical, with_successors
-from hshare.kernels.selection_heads import kv_heads_read, pick_heads, refine_into
+from hshare.kernels.selection_heads import kv_heads_read, per_head, pick_heads, refine_into
 
 if TYPE_CHECKING:
     from hshare.heads import HeadShard
@@ -161,19 +161,28 @@ class SelectionPolicy(ABC):
         return select_heavy(self.decode_scores(query, rows, heads), selectable[:, None], heavy)
 
     def decode_heavy_successors(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int,
-                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, top: int = 0
+                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, top: int = 0,
+                                head_slot: torch.Tensor | None = None,
+                                out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode_heavy` with successors (`SharingConfig.successors`): ``(taken, best)``, ``[B', H', heavy]`` the
         `heavy` best columns walked in rank order, each taken with the column after it, until `heavy` are
         taken, and ``[B', H', top]`` the best `top` of them, both ascending (`kernels.with_successors`).
-        Ranking them scores them again (`candidate_scores`: `heavy` units) where the policy scores candidates
-        alone; otherwise one score tensor serves both."""
+        With `head_slot` ``[P, H_sel]`` (each selection head's slot among the source heads `heads`): every
+        selection head's ``[B', H_sel, ...]``, each its source's (`per_head`), into `out` ``(taken, best)`` where
+        its tensors fit. Ranking them scores them again (`candidate_scores`: `heavy` units) where the policy scores
+        candidates alone; otherwise one score tensor serves both. A policy whose kernels write every head's
+        entries overrides it."""
         if self.scores_candidates:
             best = self.decode_heavy(query, selectable, heavy, rows, heads)
-            return with_successors(best, self.candidate_scores(query, best, rows, heads), selectable, top)
-        scores = self.decode_scores(query, rows, heads)
-        best = select_heavy(scores, selectable[:, None], heavy)
-        return with_successors(best, scores.gather(-1, best.clamp(min=0)), selectable, top)
+            taken, best = with_successors(best, self.candidate_scores(query, best, rows, heads), selectable, top)
+        else:
+            scores = self.decode_scores(query, rows, heads)
+            best = select_heavy(scores, selectable[:, None], heavy)
+            taken, best = with_successors(best, scores.gather(-1, best.clamp(min=0)), selectable, top)
+        if head_slot is None:
+            return taken, best
+        return per_head(taken, head_slot, out[0]), per_head(best, head_slot, out[1])
 
     def successor_rescorings(self, walked: int) -> int:
         """Units that `decode_heavy_successors` scores again a (row, head) to rank its `walked` top columns: all of

@@ -79,8 +79,13 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
     """
     refine_sources = refine is not None
     refine = refine or policy.candidate_heavy
+    # with successors and the labels' ranking, the walk writes every head's candidates and heavy columns (each its
+    # source's; a copying head's heavy refined below)
+    spread = successors and not refine_sources and head_slot is not None
     if successors:  # a source head's heavy columns are its top `heavy`, from the walk's scores
-        candidates, chosen = policy.decode_heavy_successors(query, window, count, rows, heads, top=heavy)
+        candidates, chosen = policy.decode_heavy_successors(query, window, count, rows, heads, top=heavy,
+                                                            head_slot=head_slot if spread else None,
+                                                            out=(out[1], out[0]))
     elif policy.scores_candidates:
         candidates = policy.decode_heavy(query, window, count, rows, heads)
         if head_slot is not None:
@@ -94,6 +99,7 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
         chosen = refine(query, candidates, window, heavy, rows, heads)
     if head_slot is None:
         return chosen, candidates
-    candidates, chosen = per_head(candidates, head_slot, out[1]), per_head(chosen, head_slot, out[0])
+    if not spread:
+        candidates, chosen = per_head(candidates, head_slot, out[1]), per_head(chosen, head_slot, out[0])
     # each copying head refines its source head's candidates (now its own entry) into its entry of `chosen`
     return refine(query, candidates, window, heavy, rows=rows, heads=copy_heads, out=chosen), candidates

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hshare.kernels import NO_TOKEN, CriticalWindows, critical_indices, select_heavy, with_successors  # noqa: F401 (re-exported)
+from hshare.kernels.selection_heads import per_head  # noqa: F401 (re-exported)
 
 
 def valid_columns_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int, query_rows: int,
@@ -200,13 +201,3 @@ def prefill_middle_windows(valid_rows: torch.Tensor, sink: int, local: int) -> t
     n_valid = valid_rows.sum(-1, keepdim=True)
     rank = valid_counts(valid_rows) - 1
     return valid_rows & (rank >= sink) & (rank < n_valid - local)
-
-
-def per_head(columns: torch.Tensor, head_slot: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B', n_src, k]`` columns of a layer's source heads -> ``[B', H_sel, k]``: each head its source's
-    (``head_slot`` ``[P, H_sel]``: each head's slot among the source heads, P = 1 or B'); written into `out` when
-    it is a tensor of that shape and dtype (a layer's kept buffer), else into a new one."""
-    slots = head_slot.expand(columns.shape[0], -1)[..., None].expand(-1, -1, columns.shape[-1])
-    if out is not None and out.shape == slots.shape and out.dtype == columns.dtype:
-        return torch.gather(columns, 1, slots, out=out)
-    return columns.gather(1, slots)

@@ -549,13 +549,19 @@ class SelectionSpy:
 
         import hshare.labels as labels
         from hshare.kernels import decode_label_scores, decode_label_topk
+        from hshare.kernels.selection_heads import per_head, pick_heads
 
         original_selection_walk = labels.decode_label_topk_walk
 
         def selection_walk(query, channels, codes, scale, zero, bits, count, selectable, rows=None, heads=None, *,
-                           top=0):
-            out = original_selection_walk(query, channels, codes, scale, zero, bits, count, selectable, rows, heads,
-                                          top=top)
+                           top=0, head_slot=None, out=(None, None)):
+            every_head = original_selection_walk(query, channels, codes, scale, zero, bits, count, selectable, rows,
+                                                 heads, top=top, head_slot=head_slot, out=out)
+            out = every_head
+            if head_slot is not None:  # every selection head's entries: its source's (a source head is its own)
+                out = tuple(pick_heads(tensor, heads=heads) for tensor in every_head)
+                for tensor, source in zip(every_head, out):
+                    assert torch.equal(tensor, per_head(source, head_slot)), "a head's entry is not its source's"
             assert spy.successors, "successors walked without SharingConfig.successors"
             spy.walk_calls += 1
             spy.select_calls += 1
@@ -567,7 +573,7 @@ class SelectionSpy:
             check_top_k(scores, selectable[:, None].expand(-1, scores.shape[1], -1).cpu(), count, columns.cpu())
             check_successor_walk(columns.cpu(), scores.gather(-1, columns.clamp(min=0).cpu()), selectable.cpu(),
                                  (out[0].cpu(), out[1].cpu()))
-            return out
+            return every_head
 
         self._stack.enter_context(mock.patch.object(policy, "with_successors", walk))
         self._stack.enter_context(mock.patch.object(labels, "decode_label_topk_walk", selection_walk))

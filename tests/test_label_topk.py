@@ -750,3 +750,57 @@ def test_selection_walk_triton_matches_twin(monkeypatch, bits, dtype, n):
         else:  # scores round differently: the contract (a walk of a top-C set)
             assert torch.equal((got[0] >= 0).sum(-1), (want[0] >= 0).sum(-1))
     assert walks == [True, True]  # the walks read the top-k's keys: no column scored twice
+
+
+@pytest.mark.parametrize("plan", ["per row", "one plan"])
+def test_selection_walk_writes_every_heads_entries(monkeypatch, plan):
+    """With head sharing (`head_slot`), the walk's programs write every selection head's walk and best (a copying
+    head's: its source's), equal to the walk of the source heads then `per_head`; into the given buffers where they
+    fit (in place), else new ones; one chunk and several. The twin path (a count past the kernels') spreads too."""
+    triton_or_skip()
+    import importlib
+
+    from hshare.kernels import label_topk_triton
+    from hshare.kernels.label_topk import decode_label_topk_walk_torch
+    from hshare.kernels.selection_heads import per_head
+
+    module = importlib.import_module("hshare.kernels.label_topk")
+    monkeypatch.setattr(module, "use_triton", lambda tensor: True)  # as on CUDA
+    monkeypatch.setattr(label_topk_triton, "CHUNK", 64)
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    batch, sel_heads, q_heads, r, dim, bits = 3, 4, 8, 8, 16, 4
+    monkeypatch.setattr(label_topk_triton, "SINGLE_CHUNK", 64)
+    for n in (60, 150):
+        codes, scale, zero = label_cache(batch, sel_heads, n, r, bits, seed=int(torch.randint(1000, (1,), generator=generator)))
+        query = torch.randn(batch, q_heads, dim, generator=generator).to(DEVICE)
+        channels = torch.stack([torch.randperm(dim, generator=generator)[:r] for _ in range(sel_heads)])[None]
+        channels = channels.to(DEVICE)
+        rows = torch.tensor([2, 0], device=DEVICE)
+        selectable = torch.rand(2, n, generator=generator).to(DEVICE) < 0.8
+        selectable[1, :4] = False
+        if plan == "per row":  # each row its own source heads; a source head is its own slot
+            heads = torch.tensor([[0, 2], [1, 3]], device=DEVICE)
+            head_slot = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1]], device=DEVICE)
+        else:
+            heads = torch.tensor([[1, 2]], device=DEVICE)
+            head_slot = torch.tensor([[0, 0, 1, 0]], device=DEVICE)
+        for count, top in ((24, 6), (40, 0)):
+            want = [per_head(tensor, head_slot) for tensor in
+                    decode_label_topk_walk_torch(query, channels, codes, scale, zero, bits, count, selectable, rows,
+                                                 heads, top)]
+            buffers = (torch.full((2, sel_heads, count), 7, dtype=torch.int64, device=DEVICE),
+                       torch.full((2, sel_heads, top), 7, dtype=torch.int64, device=DEVICE))
+            for out in (buffers, (None, None), (buffers[0][:, :, :-1], None)):
+                got = module.decode_label_topk_walk(query, channels, codes, scale, zero, bits, count, selectable,
+                                                    rows, heads, top=top, head_slot=head_slot, out=out)
+                assert all(torch.equal(g, w) for g, w in zip(got, want))
+                assert all((g is o) == (o is not None and o.shape == g.shape) for g, o in zip(got, out))
+    monkeypatch.setattr(label_topk_triton, "MAX_WALK_CANDIDATES", 16)  # past the kernels: the twin, then per_head
+    with pytest.warns(RuntimeWarning, match="24 candidates"):
+        got = module.decode_label_topk_walk(query, channels, codes, scale, zero, bits, 24, selectable, rows, heads,
+                                            top=6, head_slot=head_slot)
+    want = decode_label_topk_walk_torch(query, channels, codes, scale, zero, bits, 24, selectable, rows, heads, 6)
+    assert all(torch.equal(g, per_head(w, head_slot)) for g, w in zip(got, want))
+    with pytest.raises(ValueError, match="head_slot"):
+        label_topk_triton.candidate_label_walk_triton(query, channels, codes, scale, zero, bits, want[0], rows, None,
+                                                      selectable, head_slot=head_slot)

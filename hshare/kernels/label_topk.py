@@ -53,7 +53,7 @@ import torch
 from .critical_indices import NO_TOKEN, CriticalWindows, check_critical_refinement, with_critical
 from .dispatch import use_triton
 from .labels import candidate_label_scores, decode_query_labels, score_heads_torch
-from .selection_heads import refine_into
+from .selection_heads import per_head, refine_into
 from .successors import with_successors_torch
 
 
@@ -192,25 +192,36 @@ def candidate_label_walk(query: torch.Tensor, channels: torch.Tensor, codes: tor
 def decode_label_topk_walk(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
                            scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int, count: int,
                            selectable: torch.Tensor, rows: torch.Tensor | None = None,
-                           heads: torch.Tensor | None = None, *, top: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                           heads: torch.Tensor | None = None, *, top: int = 0, head_slot: torch.Tensor | None = None,
+                           out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_label_topk` of `count` columns, walked with their successors (`candidate_label_walk`, ascending), by
     label scores computed once: a selecting head's candidates and its best `top` (`SharingConfig.successors`).
 
     Args:
         query, channels, codes, scale, zero, bits, rows, heads: as `decode_label_topk`.
         count: C, the top columns walked; selectable: ``[A, n]`` bool, the window (the top-k's and the walk's).
+        head_slot: ``[P, H_sel]``, with source heads `heads`: each selection head's slot among them (its source's
+            position; a source head is its own); then every selection head's results, each its source's
+            (`selection_heads.per_head`), written into `out` ``(taken, best)`` where its tensors have those shapes
+            (contiguous int64), else new.
 
     Returns:
-        ``(taken, best)``, ``[A, H', C]`` and ``[A, H', top]`` int64, as `candidate_label_walk` of the top C.
-        CUDA: `label_topk_triton.selection_walk_triton` (the top-k writes its columns' keys, the walk reads them: no
-        label row read twice) up to ``MAX_WALK_CANDIDATES``; wider, the twin (with a RuntimeWarning).
+        ``(taken, best)``, ``[A, H', C]`` and ``[A, H', top]`` int64 (H_sel with `head_slot`), as
+        `candidate_label_walk` of the top C. CUDA: `label_topk_triton.selection_walk_triton` (the top-k writes its
+        columns' keys, the walk reads them: no label row read twice; the walk's programs write every head's entries)
+        up to ``MAX_WALK_CANDIDATES``; wider, the twin (with a RuntimeWarning).
     """
     if _runs_triton(query, codes, bits, count, channels.shape[-1]) and _candidates_fit(count, True):
         from .label_topk_triton import selection_walk_triton
 
-        return selection_walk_triton(query, channels, codes, scale, zero, bits, count, rows, heads, selectable, top)
-    return decode_label_topk_walk_torch(query, channels, codes, scale, zero, bits, count, selectable, rows, heads,
-                                        top)
+        return selection_walk_triton(query, channels, codes, scale, zero, bits, count, rows, heads, selectable, top,
+                                     head_slot, out)
+    taken, best = decode_label_topk_walk_torch(query, channels, codes, scale, zero, bits, count, selectable, rows,
+                                               heads, top)
+    if head_slot is None:
+        return taken, best
+    return per_head(taken, head_slot, out[0]), per_head(best, head_slot, out[1])
 
 
 def decode_label_topk_walk_torch(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,

@@ -328,9 +328,21 @@ def _candidate_tail(out_row, best_row, window_row, cols, key, n, heavy, top, C_P
 
 
 @triton.jit
+def _spread_row(entries, head, slot_row, slot, width, s_oh, H_SEL: tl.constexpr, C_PAD: tl.constexpr):
+    """Selection head `head`'s row ``entries + head * s_oh`` ``[width]``, written before a barrier, copied to the
+    entries of every other selection head h whose source slot (`slot_row` ``[H_SEL]``) is `slot`: the heads that
+    copy the row-head's selection (`selection_heads.per_head`, written by the selection's own program)."""
+    c = tl.arange(0, C_PAD)
+    row = tl.load(entries + head * s_oh + c, mask=c < width)
+    for h in range(H_SEL):
+        if (tl.load(slot_row + h) == slot) & (h != head):
+            tl.store(entries + h * s_oh + c, row, mask=c < width)
+
+
+@triton.jit
 def _label_candidates(
     query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, out_ptr,
-    best_ptr, scratch_ptr, n, heavy, candidates, top,
+    best_ptr, scratch_ptr, slot_ptr, s_slot, n, heavy, candidates, top,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh, s_oa, s_oh,
     c_sink_ptr, c_local_ptr, c_dense_ptr, c_middle_ptr, c_short_ptr, c_out_ptr, c_count_ptr, c_n,
     c_sb, c_lb, c_db, c_mb, c_ob, c_oh,
@@ -340,7 +352,7 @@ def _label_candidates(
     C_PAD: tl.constexpr, TILE: tl.constexpr, WALK: tl.constexpr, ASCENDING: tl.constexpr, BY_HEAD: tl.constexpr,
     C_SINK: tl.constexpr, C_HEAVY: tl.constexpr, C_LOCAL: tl.constexpr, C_SINK_P: tl.constexpr,
     C_HEAVY_P: tl.constexpr, C_LOCAL_P: tl.constexpr, C_COUNT: tl.constexpr, CRITICAL: tl.constexpr,
-    SCORED: tl.constexpr = False, PDL: tl.constexpr = False,
+    SCORED: tl.constexpr = False, SPREAD: tl.constexpr = False, H_SEL: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """Program (row-head pid): the row-head's candidates' keys (a negative column, one outside the mask or
     scored non-finite has none), then its top `heavy` columns in candidate order, or (WALK, with the mask:
@@ -350,7 +362,11 @@ def _label_candidates(
     its own head's entry (else its position among the row's heads). SCORED: the keys are the row-head's row of
     the scratch ``[A * H', C_PAD]`` int32 (`_label_candidate_scores`, or `candidate_keys_triton`'s), not scored
     here. CRITICAL (the top-k of every row, not ROWS_INDEXED): then also the row-head's critical indices from the
-    columns it wrote (`critical_indices_triton._write_critical_row`, the ``c_`` operands)."""
+    columns it wrote (`critical_indices_triton._write_critical_row`, the ``c_`` operands). SPREAD (a walk of
+    candidates read by position, HEADS_INDEXED): the output ``[A, H_SEL, C]`` and the best ``[A, H_SEL, top]``
+    (contiguous) are every selection head's; the program writes its head's entries, and copies both to the
+    entries of every head whose slot among the row's source heads (``slot_ptr`` ``[P, H_SEL]``, row stride `s_slot`,
+    0 for one plan of every row) is its position: the source head ``heads[j]`` is its own slot j."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     slots = tl.arange(0, C_PAD)
@@ -363,9 +379,17 @@ def _label_candidates(
                           pid, i, row, head, cols, tl.zeros((), tl.int32), tl.zeros((), tl.int32) + n,
                           s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_mb,
                           R, R_PAD, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
-    out_row = out_ptr + i * s_oa + entry * s_oh
-    _candidate_tail(out_row, best_ptr + pid.to(tl.int64) * top, mask_ptr + i * s_mb, cols, key, n, heavy, top, C_PAD,
-                    TILE, WALK, ASCENDING)
+    if SPREAD:
+        out_row = out_ptr + i * s_oa + head * s_oh
+        best_row = best_ptr + (i * H_SEL + head) * top
+    else:
+        out_row = out_ptr + i * s_oa + entry * s_oh
+        best_row = best_ptr + pid.to(tl.int64) * top
+    _candidate_tail(out_row, best_row, mask_ptr + i * s_mb, cols, key, n, heavy, top, C_PAD, TILE, WALK, ASCENDING)
+    if SPREAD:
+        tl.debug_barrier()  # the rows, written by any of the program's threads, read back by all
+        _spread_row(out_ptr + i * s_oa, head, slot_ptr + i * s_slot, pid % HEADS, heavy, s_oh, H_SEL, C_PAD)
+        _spread_row(best_ptr + i * H_SEL * top, head, slot_ptr + i * s_slot, pid % HEADS, top, top, H_SEL, C_PAD)
     if CRITICAL:
         tl.debug_barrier()  # the row's columns, written by any of the program's threads, read back by all
         _write_critical_row(out_row, row, entry, c_sink_ptr, c_local_ptr, c_dense_ptr, c_middle_ptr, c_short_ptr,
@@ -630,36 +654,42 @@ def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, cod
                                 candidates: torch.Tensor, rows: torch.Tensor | None, heads: torch.Tensor | None,
                                 selectable: torch.Tensor, top: int = 0, *, ascending: bool = False,
                                 num_warps: int | None = None, max_registers: int | None = None,
-                                score_tile: int | None = None, keys: torch.Tensor | None = None
+                                score_tile: int | None = None, keys: torch.Tensor | None = None,
+                                head_slot: torch.Tensor | None = None,
+                                out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `label_topk.candidate_label_walk` (``[A, H', C]`` int64: the walk's columns ascending, then
     NO_TOKEN; ``[A, H', top]``: the best `top` allowed candidates ascending, then NO_TOKEN), for rows ``[A]`` and heads
     ``[A or 1, H']`` index tensors: a program per (row, head) walking its ``C <= MAX_WALK_CANDIDATES`` candidates in
     registers, scored there or in a launch before it (as `candidate_label_topk_triton`), or, given their `keys`
     (int32 ``[A * H', candidate_slots(C)]``: the candidates' order-preserving score keys by slot, INT32_MIN for none,
-    as `label_topk_triton` writes them), not scored at all. `num_warps`, `max_registers`
+    as `label_topk_triton` writes them), not scored at all. With `head_slot` ``[P, H_sel]`` (source heads `heads`):
+    every selection head's ``[A, H_sel, ...]``, each its source's (`selection_heads.per_head`), written by the walk's
+    programs, into `out` where its tensors have those shapes and are contiguous. `num_warps`, `max_registers`
     and `score_tile` override the launches."""
     if codes.shape[2] >= (1 << COLUMN_BITS) - 1:
         raise ValueError(f"{codes.shape[2]} columns; accepted: fewer than {(1 << COLUMN_BITS) - 1} (the torch twin "
                          "takes more)")
     return _candidates(query, channels, codes, scale, zero, bits, candidates.shape[-1], candidates, rows, heads,
                        selectable, True, None, num_warps, ascending, top, max_registers=max_registers,
-                       score_tile=score_tile, keys=keys)[:2]
+                       score_tile=score_tile, keys=keys, head_slot=head_slot, spread_out=out)[:2]
 
 
 def selection_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                           zero: torch.Tensor | None, bits: int, count: int, rows: torch.Tensor | None,
-                          heads: torch.Tensor | None, selectable: torch.Tensor, top: int = 0
+                          heads: torch.Tensor | None, selectable: torch.Tensor, top: int = 0,
+                          head_slot: torch.Tensor | None = None,
+                          out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `label_topk.decode_label_topk_walk` (``count <= MAX_WALK_CANDIDATES``): `label_topk_triton`
     of `count` columns writing their keys, then `candidate_label_walk_triton` reading them (no label row scored
-    twice)."""
+    twice; with `head_slot`, the walk's programs write every selection head's entries)."""
     rows_count, n_heads = _selection_shape(None, query, channels, rows, heads)
     keys = torch.empty(rows_count * n_heads, candidate_slots(count), dtype=torch.int32, device=codes.device)
     columns = label_topk_triton(None, codes, scale, zero, bits, count, rows, heads, None, selectable, query=query,
                                 channels=channels, keys=keys)
     return candidate_label_walk_triton(query, channels, codes, scale, zero, bits, columns, rows, heads, selectable,
-                                       top, ascending=True, keys=keys)
+                                       top, ascending=True, keys=keys, head_slot=head_slot, out=out)
 
 
 def _launch_options(max_registers: int | None, codes: torch.Tensor) -> dict:
@@ -728,25 +758,40 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
                 heads: torch.Tensor | None, selectable: torch.Tensor | None, walk: bool, tile: int | None,
                 num_warps: int | None, ascending: bool = False, top: int = 0, out: torch.Tensor | None = None,
                 max_registers: int | None = None, score_tile: int | None = None, keys: torch.Tensor | None = None,
-                critical: CriticalWindows | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                critical: CriticalWindows | None = None, head_slot: torch.Tensor | None = None,
+                spread_out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A launch of `_label_candidates` (after one of `_label_candidate_scores` where the scoring is split:
     `score_tile` candidates a scoring program; None: `SCORE_TILE` where `split_scoring` says so, else 0, scored
     in the top-k's program; given the candidates' `keys` ``[A * H', C_PAD]``, none): ``[A, H', heavy]`` int64 (or,
     in place, the heads' entries of `out` ``[A, H_sel, heavy]`` from every selection head's candidates
     ``[A, H_sel, C]``), (`walk`) the best `top` candidates, and (`critical`) the critical indices
-    ``[A, H, N_c]`` int32 of the columns (every row and head: `label_topk.candidate_label_topk` checks it)."""
+    ``[A, H, N_c]`` int32 of the columns (every row and head: `label_topk.candidate_label_topk` checks it). A walk
+    of source heads `heads` with their `head_slot` ``[P, H_sel]`` (`selection_heads.per_head`) returns every
+    selection head's walk and best ``[A, H_sel, ...]``, written by the walk's programs (SPREAD), into `spread_out`
+    where given contiguous int64 tensors of those shapes."""
     count, width = candidates.shape[0], candidates.shape[-1]
     by_head = out is not None
-    n_heads = heads.shape[-1] if by_head else candidates.shape[1]
+    if head_slot is not None and (not walk or heads is None or by_head):
+        raise ValueError("head_slot is accepted for a walk of some source heads (`heads` given), without `out`")
+    n_heads = heads.shape[-1] if by_head or head_slot is not None else candidates.shape[1]
     if by_head and (out.shape != (count, candidates.shape[1], heavy) or out.dtype != torch.int64 or walk):
         raise ValueError(f"out {tuple(out.shape)} {out.dtype}; accepted: int64 {(count, candidates.shape[1], heavy)} "
                          "(every selection head's entries), for the candidate top-k")
-    if not by_head:
+    if head_slot is not None:  # every selection head's entries, each its source's
+        shapes = ((count, head_slot.shape[-1], heavy), (count, head_slot.shape[-1], top))
+        out, best = (given if given is not None and given.shape == shape and given.dtype == torch.int64
+                     and given.is_contiguous() else torch.empty(shape, dtype=torch.int64, device=codes.device)
+                     for given, shape in zip(spread_out, shapes))
+    elif not by_head:
         out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=codes.device)
     if heavy == 0 or count * n_heads == 0:
-        return (out, torch.full((count, n_heads, top), -1, dtype=torch.int64, device=codes.device),
+        return (out.fill_(-1) if head_slot is not None else out,
+                torch.full((count, out.shape[1] if head_slot is not None else n_heads, top), -1, dtype=torch.int64,
+                           device=codes.device),
                 None if critical is None else critical.indices(out))
-    best = torch.empty(count, n_heads, top, dtype=torch.int64, device=codes.device)  # the walk writes every slot
+    if head_slot is None:
+        best = torch.empty(count, n_heads, top, dtype=torch.int64, device=codes.device)  # the walk writes every slot
     limit = MAX_WALK_CANDIDATES if walk else MAX_CANDIDATES
     if width > limit:
         raise ValueError(f"{width} candidates per head; accepted: at most {limit} (the torch twin takes more)")
@@ -784,12 +829,16 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     options = _launch_options(max_registers, codes)
     indices, writes = (None, no_critical(out)) if critical is None else critical_arguments(critical, out.shape[1],
                                                                                            heavy)
+    slots = out if head_slot is None else head_slot.expand(count, -1)
+    slots = slots if slots.stride(-1) == 1 else slots.contiguous()
     _label_candidates[(programs,)](
-        query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best, scratch,
-        codes.shape[2], heavy, width, top, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
-        out.stride(1), **writes, **labels, TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending,
-        CRITICAL=critical is not None, SCORED=bool(score_tile) or keys is not None,
-        num_warps=num_warps or warps, **options, **pdl_options(codes.device),
+        query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best, scratch, slots,
+        0 if head_slot is None else slots.stride(0), codes.shape[2], heavy, width, top, *strides,
+        candidates.stride(0), candidates.stride(1), out.stride(0), out.stride(1), **writes, **labels,
+        TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, CRITICAL=critical is not None,
+        SCORED=bool(score_tile) or keys is not None, SPREAD=head_slot is not None,
+        H_SEL=1 if head_slot is None else head_slot.shape[-1], num_warps=num_warps or warps, **options,
+        **pdl_options(codes.device),
     )
     return out, best, indices
 
@@ -808,8 +857,8 @@ def top_scored(scratch: torch.Tensor, candidates: torch.Tensor, out: torch.Tenso
     strides = [0] * 14
     strides[12] = s_hb  # the heads' row stride (the label operands' strides: never read)
     _label_candidates[(scratch.shape[0],)](
-        scratch, scratch, scratch, scratch, scratch, scratch, heads, scratch, candidates, out, out, scratch,
-        0, heavy, candidates.shape[-1], 0, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
+        scratch, scratch, scratch, scratch, scratch, scratch, heads, scratch, candidates, out, out, scratch, scratch,
+        0, 0, heavy, candidates.shape[-1], 0, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
         out.stride(1), **writes, HEADS=n_heads, ROWS_INDEXED=False, HEADS_INDEXED=heads_indexed, R=2, R_PAD=2,
         BITS=4, LOAD_BYTES=1, GROUP=1, PER_ROW_CHANNELS=False, HAS_MASK=False, C_PAD=pad, TILE=min(TAIL_TILE, pad),
         WALK=False, ASCENDING=False, BY_HEAD=by_head, CRITICAL=critical is not None, SCORED=True,

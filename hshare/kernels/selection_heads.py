@@ -57,3 +57,13 @@ def refine_into(out: torch.Tensor, candidates: torch.Tensor, heads: torch.Tensor
     which land at those heads' rows of `out` ``[B', H_sel, k]``. Returns `out`."""
     index = heads.expand(out.shape[0], -1)[..., None].expand(-1, -1, out.shape[-1])
     return out.scatter_(1, index, refine(pick_heads(candidates, heads=heads)))
+
+
+def per_head(columns: torch.Tensor, head_slot: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B', n_src, k]`` columns of a layer's source heads -> ``[B', H_sel, k]``: each head its source's
+    (``head_slot`` ``[P, H_sel]``: each head's slot among the source heads, P = 1 or B'); written into `out` when
+    it is a tensor of that shape and dtype (a layer's kept buffer), else into a new one."""
+    slots = head_slot.expand(columns.shape[0], -1)[..., None].expand(-1, -1, columns.shape[-1])
+    if out is not None and out.shape == slots.shape and out.dtype == columns.dtype:
+        return torch.gather(columns, 1, slots, out=out)
+    return columns.gather(1, slots)
