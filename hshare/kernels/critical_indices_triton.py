@@ -23,11 +23,14 @@ from .dependent_launch import pdl_options, wait_for_previous_kernel
 def _write_critical_row(heavy_row, row, head, c_sink_ptr, c_local_ptr, c_dense_ptr, c_middle_ptr, c_short_ptr,
                         c_out_ptr, c_count_ptr, c_n, c_sb, c_lb, c_db, c_mb, c_ob, c_oh,
                         C_SINK: tl.constexpr, C_HEAVY: tl.constexpr, C_LOCAL: tl.constexpr, C_SINK_P: tl.constexpr,
-                        C_HEAVY_P: tl.constexpr, C_LOCAL_P: tl.constexpr, C_COUNT: tl.constexpr):
+                        C_HEAVY_P: tl.constexpr, C_LOCAL_P: tl.constexpr, C_COUNT: tl.constexpr, written=0,
+                        HEAVY_WRITTEN: tl.constexpr = False):
     """Batch row `row`, selection head `head`: its N_c indices (sink | heavy still in the middle window | local, or
     the row's first N_c valid columns for a short row) from its heavy columns at `heavy_row` ``[C_HEAVY]`` (-1
     allowed), written as int32 at ``c_out[row, head]``; with C_COUNT its valid indices added to the counter (one
-    atomic add, integer: order-free). The ``c_`` operands are `critical_arguments`'."""
+    atomic add, integer: order-free). The ``c_`` operands are `critical_arguments`'. HEAVY_WRITTEN: the caller wrote
+    the heavy part already (`written` columns, all in the middle window, then NO_TOKEN, written before a barrier),
+    which is then not read; a short row's is overwritten."""
     short = tl.load(c_short_ptr + row) != 0
     out = c_out_ptr + row * c_ob + head * c_oh
     dense = c_dense_ptr + row * c_db
@@ -40,12 +43,19 @@ def _write_critical_row(heavy_row, row, head, c_sink_ptr, c_local_ptr, c_dense_p
 
     k = tl.arange(0, C_HEAVY_P)
     k_ok = k < C_HEAVY
-    heavy = tl.load(heavy_row + k, mask=k_ok, other=-1).to(tl.int64)
-    in_range = (heavy >= 0) & (heavy < c_n)
-    still = tl.load(c_middle_ptr + row * c_mb + tl.where(in_range, heavy, 0), mask=k_ok & in_range, other=0) != 0
-    heavy = tl.where(still, heavy, -1)
-    heavy = tl.where(short, tl.load(dense + C_SINK + k, mask=k_ok, other=-1), heavy)
-    tl.store(out + C_SINK + k, heavy.to(tl.int32), mask=k_ok)
+    if HEAVY_WRITTEN:
+        refill = k_ok & (tl.zeros((C_HEAVY_P,), tl.int32) + short.to(tl.int32) != 0)  # a short row's
+        heavy = tl.load(dense + C_SINK + k, mask=refill, other=-1)
+        tl.store(out + C_SINK + k, heavy.to(tl.int32), mask=refill)
+        heavy_valid = tl.where(short, tl.sum((k_ok & (heavy >= 0)).to(tl.int64), 0), written.to(tl.int64))
+    else:
+        heavy = tl.load(heavy_row + k, mask=k_ok, other=-1).to(tl.int64)
+        in_range = (heavy >= 0) & (heavy < c_n)
+        still = tl.load(c_middle_ptr + row * c_mb + tl.where(in_range, heavy, 0), mask=k_ok & in_range, other=0) != 0
+        heavy = tl.where(still, heavy, -1)
+        heavy = tl.where(short, tl.load(dense + C_SINK + k, mask=k_ok, other=-1), heavy)
+        tl.store(out + C_SINK + k, heavy.to(tl.int32), mask=k_ok)
+        heavy_valid = tl.sum((k_ok & (heavy >= 0)).to(tl.int64), 0)
 
     j = tl.arange(0, C_LOCAL_P)
     j_ok = j < C_LOCAL
@@ -53,8 +63,8 @@ def _write_critical_row(heavy_row, row, head, c_sink_ptr, c_local_ptr, c_dense_p
     local = tl.where(short, tl.load(dense + C_SINK + C_HEAVY + j, mask=j_ok, other=-1), local)
     tl.store(out + C_SINK + C_HEAVY + j, local.to(tl.int32), mask=j_ok)
     if C_COUNT:
-        valid = tl.sum((s_ok & (sink >= 0)).to(tl.int64), 0) + tl.sum((k_ok & (heavy >= 0)).to(tl.int64), 0) \
-            + tl.sum((j_ok & (local >= 0)).to(tl.int64), 0)
+        valid = tl.sum((s_ok & (sink >= 0)).to(tl.int64), 0) + heavy_valid + tl.sum((j_ok & (local >= 0)).to(tl.int64),
+                                                                                   0)
         tl.atomic_add(c_count_ptr, valid)
 
 

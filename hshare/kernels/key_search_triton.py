@@ -27,6 +27,9 @@ import triton.language as tl
 
 SENTINEL = tl.constexpr(-(1 << 63))  # an empty packed (key << 32 | column) slot (its key is INT32_MIN)
 NO_TOKEN = tl.constexpr(-1)
+# what the writes put in their second row (`KEYS`): nothing (0 or False), the keys (1 or True), or the columns as
+# int32 (COLUMNS32: the heavy part of a critical-indices row, NO_TOKEN after them)
+COLUMNS32 = tl.constexpr(2)
 
 
 @triton.jit
@@ -182,8 +185,8 @@ def _first_value(mean, std, count, aim):
 @triton.jit
 def _write_columns(out_row, key, col, threshold, ties, slot_base, tie_base, key_row, KEYS: tl.constexpr):
     """Write the columns of keys > threshold and of the keys equal to it ranked <= ties (counting from
-    tie_base), at slots counted from slot_base, in the tiles' order; with KEYS their keys too, at the same slots of
-    `key_row` (int32). Returns the advanced bases.
+    tie_base), at slots counted from slot_base, in the tiles' order; with KEYS their keys too (or, COLUMNS32, the
+    columns as int32), at the same slots of `key_row` (int32). Returns the advanced bases.
 
     One scan counts both: the keys above in the high half of an int32, the ties in the low 16 bits (a tile holds
     fewer than 65,536 keys); a key's slot is the keys above before it plus the ties taken before it."""
@@ -196,7 +199,9 @@ def _write_columns(out_row, key, col, threshold, ties, slot_base, tie_base, key_
     take = above | (tie & (ties_before < room))
     slot = slot_base + (before >> 16) + tl.minimum(ties_before, room)
     tl.store(out_row + slot, col.to(tl.int64), mask=take)
-    if KEYS:
+    if KEYS == COLUMNS32:
+        tl.store(key_row + slot, col.to(tl.int32), mask=take)
+    elif KEYS:
         tl.store(key_row + slot, key, mask=take)
     total = tl.sum(flags, 0)
     tile_ties = total & 0xFFFF
@@ -205,11 +210,14 @@ def _write_columns(out_row, key, col, threshold, ties, slot_base, tie_base, key_
 
 @triton.jit
 def _fill_empty(out_row, first, heavy, TILE: tl.constexpr, key_row, KEYS: tl.constexpr):
-    """NO_TOKEN in slots ``[first, heavy)``; with KEYS, INT32_MIN (no key) there in `key_row` too."""
+    """NO_TOKEN in slots ``[first, heavy)``; with KEYS, INT32_MIN (no key) there in `key_row` too (COLUMNS32:
+    NO_TOKEN)."""
     for t in range(first, heavy, TILE):
         slots = t + tl.arange(0, TILE)
         tl.store(out_row + slots, tl.full((TILE,), NO_TOKEN, tl.int64), mask=slots < heavy)
-        if KEYS:
+        if KEYS == COLUMNS32:
+            tl.store(key_row + slots, tl.full((TILE,), NO_TOKEN, tl.int32), mask=slots < heavy)
+        elif KEYS:
             tl.store(key_row + slots, tl.full((TILE,), -2147483648, tl.int32), mask=slots < heavy)
 
 
@@ -217,7 +225,7 @@ def _fill_empty(out_row, first, heavy, TILE: tl.constexpr, key_row, KEYS: tl.con
 def _top_columns(out_row, key, cols, heavy, TILE: tl.constexpr, key_row, KEYS: tl.constexpr):
     """The columns `cols` of the top ``min(heavy, keys)`` of `key` (INT32_MIN: no key; ties: the first in
     order) written at ``out_row[0:heavy)`` in their order, then NO_TOKEN; with KEYS their keys at ``key_row[0:heavy)``,
-    then INT32_MIN."""
+    then INT32_MIN (COLUMNS32: the columns as int32, then NO_TOKEN). Returns how many were written."""
     count, smallest, largest, mean, std = _key_stats(key, key != -2147483648)
     r = tl.minimum(count, heavy)
     taken = tl.zeros((), tl.int32)
@@ -227,3 +235,4 @@ def _top_columns(out_row, key, cols, heavy, TILE: tl.constexpr, key_row, KEYS: t
                                               first, False, TILE)
         taken, _ = _write_columns(out_row, key, cols, threshold, ties, 0, 0, key_row, KEYS)
     _fill_empty(out_row, taken, heavy, TILE, key_row, KEYS)
+    return taken

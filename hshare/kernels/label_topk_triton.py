@@ -59,8 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .key_search_triton import (SENTINEL, _exact_threshold, _fill_empty, _first_value, _key_stats, _key_value, _pivot,
-                                _score_key, _top_columns, _write_columns)
+from .key_search_triton import (COLUMNS32, SENTINEL, _exact_threshold, _fill_empty, _first_value, _key_stats,
+                                _key_value, _pivot, _score_key, _top_columns, _write_columns)
 from .gather_attention_triton import num_sms
 from .labels_triton import _label_scores, kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
@@ -316,15 +316,21 @@ def _candidate_columns(rows_ptr, heads_ptr, cand_ptr, pid, slots, candidates, s_
 
 @triton.jit
 def _candidate_tail(out_row, best_row, window_row, cols, key, n, heavy, top, C_PAD: tl.constexpr, TILE: tl.constexpr,
-                    WALK: tl.constexpr, ASCENDING: tl.constexpr):
+                    WALK: tl.constexpr, ASCENDING: tl.constexpr, index_row, INDEX_ROW: tl.constexpr):
     """One row-head's candidates ``[C_PAD]`` (columns, int32 keys; INT32_MIN: none) into its output: the columns of
-    its top `heavy` in candidate order at `out_row`, or (WALK) all of them walked with their successors there and
-    their best `top` at `best_row` (`successors_triton._walk`; `window_row`: the row's selectable columns)."""
+    its top `heavy` in candidate order at `out_row` (INDEX_ROW: also as int32 at `index_row`, then NO_TOKEN), or
+    (WALK) all of them walked with their successors there and their best `top` at `best_row`
+    (`successors_triton._walk`; `window_row`: the row's selectable columns). Returns the top-k's columns written
+    (0 for a walk)."""
+    taken = tl.zeros((), tl.int32)
     if WALK:
         _walk(out_row, best_row, cols.to(tl.int64), key, key != -2147483648, window_row, n, heavy, top, C_PAD,
               ASCENDING)
+    elif INDEX_ROW:
+        taken = _top_columns(out_row, key, cols, heavy, TILE, index_row, COLUMNS32)
     else:
-        _top_columns(out_row, key, cols, heavy, TILE, out_row, False)
+        taken = _top_columns(out_row, key, cols, heavy, TILE, out_row, False)
+    return taken
 
 
 @triton.jit
@@ -352,7 +358,8 @@ def _label_candidates(
     C_PAD: tl.constexpr, TILE: tl.constexpr, WALK: tl.constexpr, ASCENDING: tl.constexpr, BY_HEAD: tl.constexpr,
     C_SINK: tl.constexpr, C_HEAVY: tl.constexpr, C_LOCAL: tl.constexpr, C_SINK_P: tl.constexpr,
     C_HEAVY_P: tl.constexpr, C_LOCAL_P: tl.constexpr, C_COUNT: tl.constexpr, CRITICAL: tl.constexpr,
-    SCORED: tl.constexpr = False, SPREAD: tl.constexpr = False, H_SEL: tl.constexpr = 1, PDL: tl.constexpr = False,
+    SCORED: tl.constexpr = False, SPREAD: tl.constexpr = False, H_SEL: tl.constexpr = 1,
+    CRITICAL_DIRECT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Program (row-head pid): the row-head's candidates' keys (a negative column, one outside the mask or
     scored non-finite has none), then its top `heavy` columns in candidate order, or (WALK, with the mask:
@@ -362,7 +369,9 @@ def _label_candidates(
     its own head's entry (else its position among the row's heads). SCORED: the keys are the row-head's row of
     the scratch ``[A * H', C_PAD]`` int32 (`_label_candidate_scores`, or `candidate_keys_triton`'s), not scored
     here. CRITICAL (the top-k of every row, not ROWS_INDEXED): then also the row-head's critical indices from the
-    columns it wrote (`critical_indices_triton._write_critical_row`, the ``c_`` operands). SPREAD (a walk of
+    columns it wrote (`critical_indices_triton._write_critical_row`, the ``c_`` operands); CRITICAL_DIRECT (the mask
+    is the critical indices' middle window, so every chosen column is in it): their heavy part written with the
+    columns, from registers, not read back. SPREAD (a walk of
     candidates read by position, HEADS_INDEXED): the output ``[A, H_SEL, C]`` and the best ``[A, H_SEL, top]``
     (contiguous) are every selection head's; the program writes its head's entries, and copies both to the
     entries of every head whose slot among the row's source heads (``slot_ptr`` ``[P, H_SEL]``, row stride `s_slot`,
@@ -385,7 +394,9 @@ def _label_candidates(
     else:
         out_row = out_ptr + i * s_oa + entry * s_oh
         best_row = best_ptr + pid.to(tl.int64) * top
-    _candidate_tail(out_row, best_row, mask_ptr + i * s_mb, cols, key, n, heavy, top, C_PAD, TILE, WALK, ASCENDING)
+    critical_row = c_out_ptr + row * c_ob + entry * c_oh
+    taken = _candidate_tail(out_row, best_row, mask_ptr + i * s_mb, cols, key, n, heavy, top, C_PAD, TILE, WALK,
+                            ASCENDING, critical_row + C_SINK, CRITICAL_DIRECT)
     if SPREAD:
         tl.debug_barrier()  # the rows, written by any of the program's threads, read back by all
         _spread_row(out_ptr + i * s_oa, head, slot_ptr + i * s_slot, pid % HEADS, heavy, s_oh, H_SEL, C_PAD)
@@ -394,7 +405,7 @@ def _label_candidates(
         tl.debug_barrier()  # the row's columns, written by any of the program's threads, read back by all
         _write_critical_row(out_row, row, entry, c_sink_ptr, c_local_ptr, c_dense_ptr, c_middle_ptr, c_short_ptr,
                             c_out_ptr, c_count_ptr, c_n, c_sb, c_lb, c_db, c_mb, c_ob, c_oh, C_SINK, C_HEAVY, C_LOCAL,
-                            C_SINK_P, C_HEAVY_P, C_LOCAL_P, C_COUNT)
+                            C_SINK_P, C_HEAVY_P, C_LOCAL_P, C_COUNT, taken, CRITICAL_DIRECT)
 
 
 @triton.jit
@@ -692,6 +703,12 @@ def selection_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: to
                                        top, ascending=True, keys=keys, head_slot=head_slot, out=out)
 
 
+def same_view(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """Whether `a` reads the very elements of `b` (one storage, offset, shape and strides): the same values."""
+    return (a is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
 def _launch_options(max_registers: int | None, codes: torch.Tensor) -> dict:
     """A launch's options: a thread's register cap (``maxnreg``) where one is set (0 or None: none), on CUDA only
     (the interpreter takes no launch options)."""
@@ -837,7 +854,8 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
         candidates.stride(0), candidates.stride(1), out.stride(0), out.stride(1), **writes, **labels,
         TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, CRITICAL=critical is not None,
         SCORED=bool(score_tile) or keys is not None, SPREAD=head_slot is not None,
-        H_SEL=1 if head_slot is None else head_slot.shape[-1], num_warps=num_warps or warps, **options,
+        H_SEL=1 if head_slot is None else head_slot.shape[-1], CRITICAL_DIRECT=critical is not None and not walk
+        and same_view(selectable, critical.middle), num_warps=num_warps or warps, **options,
         **pdl_options(codes.device),
     )
     return out, best, indices
