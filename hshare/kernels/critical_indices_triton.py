@@ -7,7 +7,8 @@ indices to it (one atomic add per program instead of a reduction kernel per laye
 
 `_write_critical_row` is that program's body: a kernel that computes heavy columns (the candidate
 refinement, `label_topk_triton._label_candidates`) writes its row-heads' critical rows with it, in its own
-launch (`critical_arguments`).
+launch (`critical_arguments`); where every column it picks lies in the middle window (its mask is that window), it
+writes the heavy part itself, with the columns, and the body only the sink, the local window and a short row.
 """
 
 from __future__ import annotations
