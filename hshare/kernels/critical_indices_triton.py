@@ -64,8 +64,8 @@ def _write_critical_row(heavy_row, row, head, c_sink_ptr, c_local_ptr, c_dense_p
     local = tl.where(short, tl.load(dense + C_SINK + C_HEAVY + j, mask=j_ok, other=-1), local)
     tl.store(out + C_SINK + C_HEAVY + j, local.to(tl.int32), mask=j_ok)
     if C_COUNT:
-        valid = tl.sum((s_ok & (sink >= 0)).to(tl.int64), 0) + heavy_valid + tl.sum((j_ok & (local >= 0)).to(tl.int64),
-                                                                                   0)
+        valid = (tl.sum((s_ok & (sink >= 0)).to(tl.int64), 0) + heavy_valid
+                 + tl.sum((j_ok & (local >= 0)).to(tl.int64), 0))
         tl.atomic_add(c_count_ptr, valid)
 
 

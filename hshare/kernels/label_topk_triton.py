@@ -64,7 +64,7 @@ from .key_search_triton import (COLUMNS32, SENTINEL, _exact_threshold, _fill_emp
 from .gather_attention_triton import num_sms
 from .labels_triton import _label_scores, kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
-from .critical_indices import CriticalWindows
+from .critical_indices import NO_TOKEN, CriticalWindows
 from .critical_indices_triton import _write_critical_row, critical_arguments, no_critical
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
@@ -371,11 +371,11 @@ def _label_candidates(
     here. CRITICAL (the top-k of every row, not ROWS_INDEXED): then also the row-head's critical indices from the
     columns it wrote (`critical_indices_triton._write_critical_row`, the ``c_`` operands); CRITICAL_DIRECT (the mask
     is the critical indices' middle window, so every chosen column is in it): their heavy part written with the
-    columns, from registers, not read back. SPREAD (a walk of
-    candidates read by position, HEADS_INDEXED): the output ``[A, H_SEL, C]`` and the best ``[A, H_SEL, top]``
-    (contiguous) are every selection head's; the program writes its head's entries, and copies both to the
-    entries of every head whose slot among the row's source heads (``slot_ptr`` ``[P, H_SEL]``, row stride `s_slot`,
-    0 for one plan of every row) is its position: the source head ``heads[j]`` is its own slot j."""
+    columns, from registers, not read back. SPREAD (a walk of candidates read by position, HEADS_INDEXED): the output
+    ``[A, H_SEL, C]`` and the best ``[A, H_SEL, top]`` (contiguous) are every selection head's; the program writes
+    its head's entries, and copies both to the entries of every head whose slot among the row's source heads
+    (``slot_ptr`` ``[P, H_SEL]``, row stride `s_slot`, 0 for one plan of every row) is its position: the source head
+    ``heads[j]`` is its own slot j."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     slots = tl.arange(0, C_PAD)
@@ -703,7 +703,7 @@ def selection_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: to
                                        top, ascending=True, keys=keys, head_slot=head_slot, out=out)
 
 
-def same_view(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+def _same_view(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     """Whether `a` reads the very elements of `b` (one storage, offset, shape and strides): the same values."""
     return (a is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype)
@@ -803,9 +803,9 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     elif not by_head:
         out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=codes.device)
     if heavy == 0 or count * n_heads == 0:
-        return (out.fill_(-1) if head_slot is not None else out,
-                torch.full((count, out.shape[1] if head_slot is not None else n_heads, top), -1, dtype=torch.int64,
-                           device=codes.device),
+        if head_slot is not None:
+            return out.fill_(NO_TOKEN), best.fill_(NO_TOKEN), None
+        return (out, torch.full((count, n_heads, top), -1, dtype=torch.int64, device=codes.device),
                 None if critical is None else critical.indices(out))
     if head_slot is None:
         best = torch.empty(count, n_heads, top, dtype=torch.int64, device=codes.device)  # the walk writes every slot
@@ -855,7 +855,7 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
         TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, CRITICAL=critical is not None,
         SCORED=bool(score_tile) or keys is not None, SPREAD=head_slot is not None,
         H_SEL=1 if head_slot is None else head_slot.shape[-1], CRITICAL_DIRECT=critical is not None and not walk
-        and same_view(selectable, critical.middle), num_warps=num_warps or warps, **options,
+        and _same_view(selectable, critical.middle), num_warps=num_warps or warps, **options,
         **pdl_options(codes.device),
     )
     return out, best, indices
