@@ -18,7 +18,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 import triton.language as tl  # noqa: E402
 
-from hshare.kernels.key_search_triton import _exact_threshold, _first_value, _key_stats  # noqa: E402
+from hshare.kernels.key_search_triton import (_exact_threshold, _exact_threshold_pair, _first_value,  # noqa: E402
+                                              _key_stats)
 from hshare.kernels.label_topk import score_keys_torch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,6 +44,23 @@ def _search(key_ptr, weight_ptr, out_ptr, r, C_PAD: tl.constexpr, WEIGHED: tl.co
     tl.store(out_ptr + pid * 3, threshold)
     tl.store(out_ptr + pid * 3 + 1, ties)
     tl.store(out_ptr + pid * 3 + 2, probes)
+
+
+@triton.jit
+def _search_pair(key_ptr, weight_ptr, out_ptr, r, r_b, C_PAD: tl.constexpr):
+    """Program pid: the pair search over its row of keys ``[P, C_PAD]``, weight r of the weights and the r_b-th
+    largest key: (T, ties, T_b, ties_b, probes)."""
+    pid = tl.program_id(0)
+    slots = pid.to(tl.int64) * C_PAD + tl.arange(0, C_PAD)
+    key = tl.load(key_ptr + slots)
+    ok = key != -2147483648
+    count, smallest, largest, mean, std = _key_stats(key, ok)
+    weight = tl.where(ok, tl.load(weight_ptr + slots), 0)
+    total = tl.sum(weight, 0)
+    found = _exact_threshold_pair(key, weight, r, total, _first_value(mean, std, count, r - 0.5), r_b, count,
+                                  _first_value(mean, std, count, r_b - 0.5), smallest, largest.to(tl.int64) + 1)
+    for f in tl.static_range(5):
+        tl.store(out_ptr + pid * 5 + f, found[f])
 
 
 def search(keys: torch.Tensor, weights: torch.Tensor | None, r: int, tail: bool) -> torch.Tensor:
@@ -107,3 +125,31 @@ def test_tail_pivots_take_fewer_probes_on_an_upper_tail():
     heavy = (SLOTS - 60) // 4
     normal, tail = (search(keys, None, heavy, t)[:, 2].float().mean() for t in (False, True))
     assert tail < normal, (float(tail), float(normal))
+
+
+@pytest.mark.parametrize("kind", ["normal", "tail", "ties"])
+def test_pair_search_is_both_searches_in_the_longer_ones_steps(kind):
+    """The walk's two searches in one loop (`_exact_threshold_pair`): a weighed target and a counted one over the
+    same keys, each as the single tail search finds it, in as many steps as the longer one takes; the counted one as
+    brute force has it, the weighed one (weights 0 to 2: the walk's costs) a key whose keys at or above weigh at least
+    r and those above it less, unless it weighs nothing (the walk takes nothing at such a key)."""
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, (1,))))
+    keys = rows_of(kind, 6, generator)
+    weights = torch.randint(0, 3, keys.shape, generator=generator, dtype=torch.int32)  # the walk's costs: 0, 1, 2
+    valid = keys != NONE
+    totals = (weights * valid).sum(-1)
+    counts = valid.sum(-1)
+    for r, r_b in ((1, 1), (int(totals.min()) // 2, int(counts.min()) // 4), (int(totals.min()), int(counts.min()))):
+        out = torch.empty(keys.shape[0], 5, dtype=torch.int32, device=DEVICE)
+        _search_pair[(keys.shape[0],)](keys.to(DEVICE), weights.to(DEVICE), out, r, r_b, C_PAD=SLOTS)
+        out = out.cpu()
+        single, single_b = search(keys, weights, r, True), search(keys, None, r_b, True)
+        for row in range(keys.shape[0]):
+            threshold = int(out[row, 0])
+            weighed = weights[row] * valid[row]
+            above, own = int(weighed[keys[row] > threshold].sum()), int(weighed[keys[row] == threshold].sum())
+            assert above + own >= r and (above < r or own == 0), (kind, r, row)  # at T: r reached
+            assert tuple(out[row, :2].tolist()) == tuple(single[row, :2].tolist()), (kind, r, row)
+            assert tuple(out[row, 2:4].tolist()) == brute_force(keys[row], torch.ones_like(keys[row]), r_b)
+            assert tuple(out[row, 2:4].tolist()) == tuple(single_b[row, :2].tolist())
+            assert int(out[row, 4]) == max(int(single[row, 2]), int(single_b[row, 2]))

@@ -771,7 +771,8 @@ def test_selection_walk_writes_every_heads_entries(monkeypatch, plan):
     batch, sel_heads, q_heads, r, dim, bits = 3, 4, 8, 8, 16, 4
     monkeypatch.setattr(label_topk_triton, "SINGLE_CHUNK", 64)
     for n in (60, 150):
-        codes, scale, zero = label_cache(batch, sel_heads, n, r, bits, seed=int(torch.randint(1000, (1,), generator=generator)))
+        seed = int(torch.randint(1000, (1,), generator=generator))
+        codes, scale, zero = label_cache(batch, sel_heads, n, r, bits, seed=seed)
         query = torch.randn(batch, q_heads, dim, generator=generator).to(DEVICE)
         channels = torch.stack([torch.randperm(dim, generator=generator)[:r] for _ in range(sel_heads)])[None]
         channels = channels.to(DEVICE)

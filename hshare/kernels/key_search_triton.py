@@ -13,6 +13,8 @@ steps before) with one pass of three block reductions in one `tl.reduce` (count 
 nearest below) and moves an end onto the nearest key on its side. It ends when exactly r keys lie at or above `lo`,
 or no key lies between the ends (then the keys equal to `lo` are ties: the first in column order are taken). Few
 steps at the scores' distributions; every four steps halve the count between the ends or the key range.
+`_exact_threshold_pair` runs two such searches over the same register keys in one loop, both pivots probed in one
+reduction a step (the successors walk's stop key and its best columns).
 
 Keys that are the *upper tail* of a larger set (TAIL: a selection's top columns walked with their successors, the
 keys at or above a label top-k's bound) are not normal: their counts fall about exponentially with the score from
@@ -111,6 +113,33 @@ def _probe(key, weight, buf_ptr, span, pivot, FROM_BUFFER: tl.constexpr, TILE: t
 
 
 @triton.jit
+def _sum_min_max_pair(count_a, low_a, high_a, count_b, low_b, high_b, count_c, low_c, high_c, count_d, low_d, high_d):
+    """`tl.reduce` combine of two probes' (sum, minimum, maximum) in one reduction."""
+    return (count_a + count_c, tl.minimum(low_a, low_c), tl.maximum(high_a, high_c), count_b + count_d,
+            tl.minimum(low_b, low_d), tl.maximum(high_b, high_d))
+
+
+@triton.jit
+def _search_pivot(lo, hi, count_lo, count_hi, between_3, aim, total, first_value, step, TAIL: tl.constexpr):
+    """A search's next pivot (`_pivot`): the middle of the key range where the count between the ends is above half
+    of what it was three steps before."""
+    return _pivot(lo, hi, count_lo, count_hi, aim, total, first_value, step, count_lo - count_hi > between_3 // 2, TAIL)
+
+
+@triton.jit
+def _search_move(lo, hi, count_lo, count_hi, between_1, between_2, between_3, step, r, at_least, up, down, active):
+    """A search's state after a probe (the keys' count or weight at or above the pivot, the smallest key >= it, the
+    largest below): the low end onto the smallest key >= pivot where that count is at least r, else the high end
+    one past the largest key < pivot; the counts between the ends shifted. Unchanged where not `active`."""
+    go_up = (at_least >= r) & active
+    go_down = (at_least < r) & active
+    return (tl.where(go_up, up.to(tl.int64), lo), tl.where(go_down, down.to(tl.int64) + 1, hi),
+            tl.where(go_up, at_least, count_lo), tl.where(go_down, at_least, count_hi),
+            tl.where(active, count_lo - count_hi, between_1), tl.where(active, between_1, between_2),
+            tl.where(active, between_2, between_3), step + tl.where(active, 1, 0))
+
+
+@triton.jit
 def _exact_threshold(key, weight, buf_ptr, span, r, lo, count_lo, hi, first_value,
                      FROM_BUFFER: tl.constexpr, TILE: tl.constexpr, TAIL: tl.constexpr = False):
     """The r-th largest key and how many of the keys equal to it to take; with a `weight` per key (register keys
@@ -137,20 +166,62 @@ def _exact_threshold(key, weight, buf_ptr, span, r, lo, count_lo, hi, first_valu
     between_2 = tl.zeros((), tl.int32) + 2147483647
     between_3 = tl.zeros((), tl.int32) + 2147483647
     while (count_lo > r) & (hi - lo > 1):
-        between = count_lo - count_hi
-        pivot = _pivot(lo, hi, count_lo, count_hi, aim, total, first_value, step, between > between_3 // 2, TAIL)
+        pivot = _search_pivot(lo, hi, count_lo, count_hi, between_3, aim, total, first_value, step, TAIL)
         at_least, up, down = _probe(key, weight, buf_ptr, span, pivot.to(tl.int32), FROM_BUFFER, TILE)
-        go_up = at_least >= r
-        lo = tl.where(go_up, up.to(tl.int64), lo)
-        count_lo = tl.where(go_up, at_least, count_lo)
-        hi = tl.where(go_up, hi, down.to(tl.int64) + 1)
-        count_hi = tl.where(go_up, count_hi, at_least)
-        between_3 = between_2
-        between_2 = between_1
-        between_1 = between
-        step += 1
+        lo, hi, count_lo, count_hi, between_1, between_2, between_3, step = _search_move(
+            lo, hi, count_lo, count_hi, between_1, between_2, between_3, step, r, at_least, up, down, True)
     ties = tl.where(count_lo == r, 2147483647, r - count_hi)
     return lo.to(tl.int32), ties, step
+
+
+@triton.jit
+def _exact_threshold_pair(key, weight, r, count_lo, first_value, r_b, count_lo_b, first_value_b, lo, hi):
+    """Two searches of `_exact_threshold` over the same register keys ``[N]`` (their smallest key `lo`, `hi` above
+    them all; tail pivots), in one loop: each step probes both pivots in one reduction, so the pair takes the
+    longer search's steps, not their sum. The first for weight r of `weight` (``count_lo``, the keys' total weight),
+    the second for the r_b-th largest key (counted; ``count_lo_b`` keys). Returns ``(T, ties, T_b, ties_b, probes)``,
+    each as `_exact_threshold`'s."""
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    lo_b = lo
+    hi_b = hi
+    count_hi = tl.zeros((), tl.int32)
+    count_hi_b = tl.zeros((), tl.int32)
+    total = count_lo.to(tl.float32)
+    total_b = count_lo_b.to(tl.float32)
+    aim = r.to(tl.float32) - 0.5
+    aim_b = r_b.to(tl.float32) - 0.5
+    step = tl.zeros((), tl.int32)
+    step_b = tl.zeros((), tl.int32)
+    between_1 = tl.zeros((), tl.int32) + 2147483647
+    between_2 = tl.zeros((), tl.int32) + 2147483647
+    between_3 = tl.zeros((), tl.int32) + 2147483647
+    between_1b = tl.zeros((), tl.int32) + 2147483647
+    between_2b = tl.zeros((), tl.int32) + 2147483647
+    between_3b = tl.zeros((), tl.int32) + 2147483647
+    active = (count_lo > r) & (hi - lo > 1)
+    active_b = (count_lo_b > r_b) & (hi_b - lo_b > 1)
+    probes = tl.zeros((), tl.int32)
+    while active | active_b:
+        pivot = _search_pivot(lo, hi, count_lo, count_hi, between_3, aim, total, first_value, step, True)
+        pivot_b = _search_pivot(lo_b, hi_b, count_lo_b, count_hi_b, between_3b, aim_b, total_b, first_value_b, step_b,
+                                True)
+        at_a = key >= pivot.to(tl.int32)
+        at_b = key >= pivot_b.to(tl.int32)
+        at_least, up, down, at_least_b, up_b, down_b = tl.reduce(
+            (tl.where(at_a, weight, 0), tl.where(at_a, key, 2147483647), tl.where(at_a, -2147483648, key),
+             at_b.to(tl.int32), tl.where(at_b, key, 2147483647), tl.where(at_b, -2147483648, key)), 0,
+            _sum_min_max_pair)
+        lo, hi, count_lo, count_hi, between_1, between_2, between_3, step = _search_move(
+            lo, hi, count_lo, count_hi, between_1, between_2, between_3, step, r, at_least, up, down, active)
+        lo_b, hi_b, count_lo_b, count_hi_b, between_1b, between_2b, between_3b, step_b = _search_move(
+            lo_b, hi_b, count_lo_b, count_hi_b, between_1b, between_2b, between_3b, step_b, r_b, at_least_b, up_b,
+            down_b, active_b)
+        active = (count_lo > r) & (hi - lo > 1)
+        active_b = (count_lo_b > r_b) & (hi_b - lo_b > 1)
+        probes += 1
+    return (lo.to(tl.int32), tl.where(count_lo == r, 2147483647, r - count_hi), lo_b.to(tl.int32),
+            tl.where(count_lo_b == r_b, 2147483647, r_b - count_hi_b), probes)
 
 
 @triton.jit

@@ -10,7 +10,8 @@ into it first: one sort of (column, score key) packed in int64). The walk needs 
 2. each column then costs 0, 1 or 2 slots, whatever the walk takes before it. The walk stops at the score
    key t where the columns ranked at or above it first cost k slots: the search of
    `key_search_triton._exact_threshold` with each key weighed by its cost (a few block reductions; the tail
-   pivots, since the walk's keys are a selection's top columns). Columns above t take their slots, the columns
+   pivots, since the walk's keys are a selection's top columns; the best `top`'s search in the same loop,
+   `key_search_triton._exact_threshold_pair`). Columns above t take their slots, the columns
    at t take what is left in column order (their rank order), the last of them perhaps its own slot only;
 3. the slots are a cumulative sum in column order, so the taken columns come out ascending.
 
@@ -23,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .key_search_triton import _exact_threshold, _first_value, _key_stats, _score_key, _write_columns
+from .key_search_triton import (_exact_threshold, _exact_threshold_pair, _first_value, _key_stats, _score_key,
+                                _write_columns)
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 COLUMN_BITS = 24  # columns < 2**24 in the packed sort key
@@ -58,13 +60,21 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
     cost = own.to(tl.int32) + follows.to(tl.int32)
     # 2. the key where the walk stops, and what the columns at it take (in column order = rank order)
     # (a search over the register keys weighed by their cost, no buffer read; its first pivot aims at K slots'
-    # share of the columns; the score moments serve the best-TOP search too)
+    # share of the columns; with a best TOP, that search runs in the same loop: the score moments serve both)
     slots = tl.zeros((), tl.int32) + K
+    top = tl.zeros((), tl.int32) + TOP
     given_count, lo, hi, mean, std = _key_stats(key, given)
     hi = hi.to(tl.int64) + 1
     total = tl.sum(cost, 0)
     guess = _first_value(mean, std, tl.maximum(total, 1), slots - 0.5)
-    stop, _, _ = _exact_threshold(key, cost, best_out, 0, slots, lo, total, hi, guess, False, K_P, True)
+    if TOP > 0:
+        stop, _, best, ties, _ = _exact_threshold_pair(
+            key, cost, slots, total, guess, top, given_count,
+            _first_value(mean, std, tl.maximum(given_count, 1), top - 0.5), lo, hi)
+    else:
+        stop, _, _ = _exact_threshold(key, cost, best_out, 0, slots, lo, total, hi, guess, False, K_P, True)
+        best = stop
+        ties = tl.zeros((), tl.int32)
     above = given & (key > stop)
     tie = given & (key == stop)
     room = K - tl.sum(tl.where(above, cost, 0), 0)
@@ -79,10 +89,6 @@ def _walk(out, best_out, columns, key, given, window_row, n, K, TOP, K_P: tl.con
     tl.store(out + start + own_taken.to(tl.int32), successor, mask=follows_taken)
     tl.store(out + i, tl.full([K_P], -1, tl.int64), mask=(i >= tl.sum(count, 0)) & (i < K))
     if TOP > 0:  # the best TOP given columns
-        top = tl.zeros((), tl.int32) + TOP
-        best, ties, _ = _exact_threshold(key, 1, best_out, 0, top, lo, given_count, hi,
-                                         _first_value(mean, std, tl.maximum(given_count, 1), top - 0.5), False, K_P,
-                                         True)
         taken, _ = _write_columns(best_out, key, columns, best, ties, 0, 0, best_out, False)  # not given: never taken
         tl.store(best_out + i, tl.full([K_P], -1, tl.int64), mask=(i >= taken) & (i < TOP))
 
