@@ -88,6 +88,15 @@ def _sum_min_max(count_a, low_a, high_a, count_b, low_b, high_b):
 
 
 @triton.jit
+def _probe_terms(key, weight, pivot):
+    """Per register key ``[N]``, the terms of a probe's three reductions at a pivot: its weight where it is >= the
+    pivot (else 0), itself where >= (else INT32_MAX), itself where below (else INT32_MIN)."""
+    at_least = key >= pivot
+    return (tl.where(at_least, weight, 0), tl.where(at_least, key, 2147483647),
+            tl.where(at_least, -2147483648, key))
+
+
+@triton.jit
 def _probe(key, weight, buf_ptr, span, pivot, FROM_BUFFER: tl.constexpr, TILE: tl.constexpr):
     """At a pivot key: the count of keys >= it (of register keys, their summed `weight`: an int32 ``[N]`` or 1),
     the smallest key >= it and the largest key < it, of the register keys ``[N]`` or of the packed candidates
@@ -105,10 +114,7 @@ def _probe(key, weight, buf_ptr, span, pivot, FROM_BUFFER: tl.constexpr, TILE: t
             up = tl.minimum(up, tl.where(at_least, tile_key, 2147483647))
             down = tl.maximum(down, tl.where(at_least, -2147483648, tile_key))
     else:
-        at_least = key >= pivot
-        count = tl.where(at_least, weight, 0)
-        up = tl.where(at_least, key, 2147483647)
-        down = tl.where(at_least, -2147483648, key)
+        count, up, down = _probe_terms(key, weight, pivot)
     return tl.reduce((count, up, down), 0, _sum_min_max)
 
 
@@ -137,6 +143,13 @@ def _search_move(lo, hi, count_lo, count_hi, between_1, between_2, between_3, st
             tl.where(go_up, at_least, count_lo), tl.where(go_down, at_least, count_hi),
             tl.where(active, count_lo - count_hi, between_1), tl.where(active, between_1, between_2),
             tl.where(active, between_2, between_3), step + tl.where(active, 1, 0))
+
+
+@triton.jit
+def _search_ties(count_lo, count_hi, r):
+    """A finished search's ties: INT32_MAX where the keys at or above its low end are exactly r, else what of r the
+    keys above it leave to the keys equal to it."""
+    return tl.where(count_lo == r, 2147483647, r - count_hi)
 
 
 @triton.jit
@@ -170,8 +183,7 @@ def _exact_threshold(key, weight, buf_ptr, span, r, lo, count_lo, hi, first_valu
         at_least, up, down = _probe(key, weight, buf_ptr, span, pivot.to(tl.int32), FROM_BUFFER, TILE)
         lo, hi, count_lo, count_hi, between_1, between_2, between_3, step = _search_move(
             lo, hi, count_lo, count_hi, between_1, between_2, between_3, step, r, at_least, up, down, True)
-    ties = tl.where(count_lo == r, 2147483647, r - count_hi)
-    return lo.to(tl.int32), ties, step
+    return lo.to(tl.int32), _search_ties(count_lo, count_hi, r), step
 
 
 @triton.jit
@@ -206,11 +218,8 @@ def _exact_threshold_pair(key, weight, r, count_lo, first_value, r_b, count_lo_b
         pivot = _search_pivot(lo, hi, count_lo, count_hi, between_3, aim, total, first_value, step, True)
         pivot_b = _search_pivot(lo_b, hi_b, count_lo_b, count_hi_b, between_3b, aim_b, total_b, first_value_b, step_b,
                                 True)
-        at_a = key >= pivot.to(tl.int32)
-        at_b = key >= pivot_b.to(tl.int32)
         at_least, up, down, at_least_b, up_b, down_b = tl.reduce(
-            (tl.where(at_a, weight, 0), tl.where(at_a, key, 2147483647), tl.where(at_a, -2147483648, key),
-             at_b.to(tl.int32), tl.where(at_b, key, 2147483647), tl.where(at_b, -2147483648, key)), 0,
+            _probe_terms(key, weight, pivot.to(tl.int32)) + _probe_terms(key, 1, pivot_b.to(tl.int32)), 0,
             _sum_min_max_pair)
         lo, hi, count_lo, count_hi, between_1, between_2, between_3, step = _search_move(
             lo, hi, count_lo, count_hi, between_1, between_2, between_3, step, r, at_least, up, down, active)
@@ -220,8 +229,8 @@ def _exact_threshold_pair(key, weight, r, count_lo, first_value, r_b, count_lo_b
         active = (count_lo > r) & (hi - lo > 1)
         active_b = (count_lo_b > r_b) & (hi_b - lo_b > 1)
         probes += 1
-    return (lo.to(tl.int32), tl.where(count_lo == r, 2147483647, r - count_hi), lo_b.to(tl.int32),
-            tl.where(count_lo_b == r_b, 2147483647, r_b - count_hi_b), probes)
+    return (lo.to(tl.int32), _search_ties(count_lo, count_hi, r), lo_b.to(tl.int32),
+            _search_ties(count_lo_b, count_hi_b, r_b), probes)
 
 
 @triton.jit
