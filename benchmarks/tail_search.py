@@ -62,7 +62,7 @@ def record_keys(args) -> list[dict]:
     saved, calls = [], [0]
     original = label_topk_triton.selection_walk_triton
 
-    def recording(query, channels, codes, scale, zero, bits, count, rows, heads, selectable, top=0):
+    def recording(query, channels, codes, scale, zero, bits, count, rows, heads, selectable, top=0, *placement):
         if not torch.cuda.is_current_stream_capturing():
             if calls[0] % args.every == 0 and calls[0] < args.layers * args.every:
                 labels = decode_query_labels(query, channels, rows, heads)
@@ -71,7 +71,7 @@ def record_keys(args) -> list[dict]:
                 keys = torch.where(ok[:, None] & torch.isfinite(scores), score_keys_torch(scores), NONE)
                 saved.append({"call": calls[0], "keys": keys.int().cpu(), "count": count, "top": top})
             calls[0] += 1
-        return original(query, channels, codes, scale, zero, bits, count, rows, heads, selectable, top)
+        return original(query, channels, codes, scale, zero, bits, count, rows, heads, selectable, top, *placement)
 
     label_topk_triton.selection_walk_triton = recording
     name, overrides = split_overrides(args.path)
