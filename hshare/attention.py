@@ -157,6 +157,17 @@ def _keep(cache: HShareCache, layer: HShareLayer, name: str, columns: torch.Tens
         kept.copy_(columns)
 
 
+def _kept_buffer(layer: HShareLayer, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The layer's kept `name` buffer ``shape`` int64 (`_keep`), made now if it has none of that shape: a
+    selection given it writes in place, and a step captured before any eager one (a signature warmed by an
+    earlier generate) holds no copy into a buffer first made by that capture."""
+    kept = getattr(layer, name)
+    if kept is None or kept.shape != shape:
+        kept = torch.empty(shape, dtype=torch.long, device=device)
+        setattr(layer, name, kept)
+    return kept
+
+
 def _refinement(layer: HShareLayer, by_keys: Refine | None) -> Refine:
     """How the layer's heads refine candidates: by exact logits (`by_keys`, ``refine_by = "keys"``) or by their
     policy's scores (`SelectionPolicy.candidate_heavy`)."""
@@ -174,10 +185,8 @@ def _refine(cache: HShareCache, layer: HShareLayer, refine: Refine, query: torch
     if cache.static is None:
         refined = refine(query, candidates, window, heavy, critical=critical)
     else:
-        shape = (*candidates.shape[:2], heavy)
-        if layer.heavy is None or layer.heavy.shape != shape:
-            layer.heavy = torch.empty(shape, dtype=torch.long, device=candidates.device)
-        refined = refine(query, candidates, window, heavy, heads=cache.planner.every_head, out=layer.heavy,
+        refined = refine(query, candidates, window, heavy, heads=cache.planner.every_head,
+                         out=_kept_buffer(layer, "heavy", (*candidates.shape[:2], heavy), candidates.device),
                          critical=critical)
     layer.heavy, indices = (refined, None) if critical is None else refined
     return indices
@@ -275,8 +284,9 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
     if rows is None or len(rows):
         middle, source_heads, head_slot, copy_heads = _source_rows(share, window)
         sharing = {} if share.all_heads else dict(heads=source_heads, head_slot=head_slot, copy_heads=copy_heads)
-        if cache.static is not None and rows is None:  # head sharing writes into the kept buffers (`_keep`)
-            sharing["out"] = (layer.heavy, layer.candidates)
+        if cache.static is not None and rows is None:  # the selection writes into the kept buffers (`_keep`)
+            sharing["out"] = (_kept_buffer(layer, "heavy", (batch, cache.sel_heads, kept), query.device),
+                              _kept_buffer(layer, "candidates", (batch, cache.sel_heads, count), query.device))
         chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows,
                                            successors=config.sharing.successors, refine=by_keys, **sharing)
         heavy, candidates = _in_batch(chosen, rows, batch), _in_batch(picked, rows, batch)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hshare
-from hshare import static_decode
+from hshare import attention, static_decode
 from hshare.quest import pages_for
 from conftest import VOCAB, cache_kwarg, left_pad, left_padded, tiny_llama, tiny_mistral
 
@@ -363,3 +363,33 @@ def test_label_cache_freezes_whole_at_its_reserve():
     assert all(buffer.view().shape[2] == 10 for buffer in store.buffers)
     store.thaw(6)
     assert all(buffer.view().shape[2] == 6 for buffer in store.buffers) and store.length == 6
+
+
+@pytest.mark.parametrize("kernels,overrides", [
+    ("triton", {}),  # head sharing: the walk writes every head's entries, the copying heads refine into them
+    ("triton", dict(head_sharing=1)),  # every head selects: the walk's own results
+    ("torch", {}),
+])
+def test_selection_writes_the_kept_buffers(monkeypatch, kernels, overrides):
+    """With static shapes a refinement preset's selecting layers write their heavy columns and candidates into the
+    layer's kept buffers from the first selection step on: no step copies them there (a step captured before
+    any eager one, its signature warmed by an earlier generate, would replay such a copy every time). The tokens
+    equal eager decode's."""
+    monkeypatch.setenv("HSHARE_KERNELS", kernels)
+    calls = []
+
+    def keep(cache, layer, name, columns):
+        calls.append((name, getattr(layer, name) is columns))
+        return keep_columns(cache, layer, name, columns)
+
+    keep_columns = attention._keep
+    model = tiny_llama(kv_heads=4, heads=4, layers=2)
+    ids, mask = left_padded([21, 14, 9])
+    options = dict(SPARSE, **overrides)
+    eager, _ = _run(model, "hshare-refine-successors-c4", ids, mask, static=False, new_tokens=5, **options)
+    monkeypatch.setattr(attention, "_keep", keep)
+    static, cache = _run(model, "hshare-refine-successors-c4", ids, mask, static=True, new_tokens=5, **options)
+    assert cache.static_decode.reason == ""
+    assert {name for name, _ in calls} == {"heavy", "candidates"}
+    assert all(in_place for _, in_place in calls), calls
+    assert torch.equal(static, eager)

@@ -203,8 +203,9 @@ def decode_label_topk_walk(query: torch.Tensor, channels: torch.Tensor, codes: t
         count: C, the top columns walked; selectable: ``[A, n]`` bool, the window (the top-k's and the walk's).
         head_slot: ``[P, H_sel]``, with source heads `heads`: each selection head's slot among them (its source's
             position; a source head is its own); then every selection head's results, each its source's
-            (`selection_heads.per_head`), written into `out` ``(taken, best)`` where its tensors have those shapes
-            (contiguous int64), else new.
+            (`selection_heads.per_head`).
+        out: ``(taken, best)`` buffers the results are written into where they have the results' shapes (contiguous
+            int64; the Triton walk, or the twin's with `head_slot`), else new tensors are returned.
 
     Returns:
         ``(taken, best)``, ``[A, H', C]`` and ``[A, H', top]`` int64 (H_sel with `head_slot`), as

@@ -676,14 +676,14 @@ def candidate_label_walk_triton(query: torch.Tensor, channels: torch.Tensor, cod
     (int32 ``[A * H', candidate_slots(C)]``: the candidates' order-preserving score keys by slot, INT32_MIN for none,
     as `label_topk_triton` writes them), not scored at all. With `head_slot` ``[P, H_sel]`` (source heads `heads`):
     every selection head's ``[A, H_sel, ...]``, each its source's (`selection_heads.per_head`), written by the walk's
-    programs, into `out` where its tensors have those shapes and are contiguous. `num_warps`, `max_registers`
-    and `score_tile` override the launches."""
+    programs. The results are written into `out` where its tensors have their shapes and are contiguous int64.
+    `num_warps`, `max_registers` and `score_tile` override the launches."""
     if codes.shape[2] >= (1 << COLUMN_BITS) - 1:
         raise ValueError(f"{codes.shape[2]} columns; accepted: fewer than {(1 << COLUMN_BITS) - 1} (the torch twin "
                          "takes more)")
     return _candidates(query, channels, codes, scale, zero, bits, candidates.shape[-1], candidates, rows, heads,
                        selectable, True, None, num_warps, ascending, top, max_registers=max_registers,
-                       score_tile=score_tile, keys=keys, head_slot=head_slot, spread_out=out)[:2]
+                       score_tile=score_tile, keys=keys, head_slot=head_slot, walk_out=out)[:2]
 
 
 def selection_walk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
@@ -776,7 +776,7 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
                 num_warps: int | None, ascending: bool = False, top: int = 0, out: torch.Tensor | None = None,
                 max_registers: int | None = None, score_tile: int | None = None, keys: torch.Tensor | None = None,
                 critical: CriticalWindows | None = None, head_slot: torch.Tensor | None = None,
-                spread_out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+                walk_out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A launch of `_label_candidates` (after one of `_label_candidate_scores` where the scoring is split:
     `score_tile` candidates a scoring program; None: `SCORE_TILE` where `split_scoring` says so, else 0, scored
@@ -785,8 +785,8 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     ``[A, H_sel, C]``), (`walk`) the best `top` candidates, and (`critical`) the critical indices
     ``[A, H, N_c]`` int32 of the columns (every row and head: `label_topk.candidate_label_topk` checks it). A walk
     of source heads `heads` with their `head_slot` ``[P, H_sel]`` (`selection_heads.per_head`) returns every
-    selection head's walk and best ``[A, H_sel, ...]``, written by the walk's programs (SPREAD), into `spread_out`
-    where given contiguous int64 tensors of those shapes."""
+    selection head's walk and best ``[A, H_sel, ...]``, written by the walk's programs (SPREAD). A walk writes its
+    two results into `walk_out` where given contiguous int64 tensors of their shapes."""
     count, width = candidates.shape[0], candidates.shape[-1]
     by_head = out is not None
     if head_slot is not None and (not walk or heads is None or by_head):
@@ -795,20 +795,17 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     if by_head and (out.shape != (count, candidates.shape[1], heavy) or out.dtype != torch.int64 or walk):
         raise ValueError(f"out {tuple(out.shape)} {out.dtype}; accepted: int64 {(count, candidates.shape[1], heavy)} "
                          "(every selection head's entries), for the candidate top-k")
-    if head_slot is not None:  # every selection head's entries, each its source's
-        shapes = ((count, head_slot.shape[-1], heavy), (count, head_slot.shape[-1], top))
-        out, best = (given if given is not None and given.shape == shape and given.dtype == torch.int64
+    if not by_head:  # with head slots, every selection head's entries, each its source's
+        entries = n_heads if head_slot is None else head_slot.shape[-1]
+        shapes = ((count, entries, heavy), (count, entries, top))
+        out, best = (given if walk and given is not None and given.shape == shape and given.dtype == torch.int64
                      and given.is_contiguous() else torch.empty(shape, dtype=torch.int64, device=codes.device)
-                     for given, shape in zip(spread_out, shapes))
-    elif not by_head:
-        out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=codes.device)
+                     for given, shape in zip(walk_out, shapes))
+    else:
+        best = torch.empty(count, n_heads, top, dtype=torch.int64, device=codes.device)
     if heavy == 0 or count * n_heads == 0:
-        if head_slot is not None:
-            return out.fill_(NO_TOKEN), best.fill_(NO_TOKEN), None
-        return (out, torch.full((count, n_heads, top), -1, dtype=torch.int64, device=codes.device),
-                None if critical is None else critical.indices(out))
-    if head_slot is None:
-        best = torch.empty(count, n_heads, top, dtype=torch.int64, device=codes.device)  # the walk writes every slot
+        return (out if by_head else out.fill_(NO_TOKEN)), best.fill_(NO_TOKEN), (
+            None if critical is None else critical.indices(out))
     limit = MAX_WALK_CANDIDATES if walk else MAX_CANDIDATES
     if width > limit:
         raise ValueError(f"{width} candidates per head; accepted: at most {limit} (the torch twin takes more)")
