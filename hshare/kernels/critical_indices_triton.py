@@ -45,7 +45,8 @@ def _write_critical_row(heavy_row, row, head, c_sink_ptr, c_local_ptr, c_dense_p
     k = tl.arange(0, C_HEAVY_P)
     k_ok = k < C_HEAVY
     if HEAVY_WRITTEN:
-        refill = k_ok & (tl.zeros((C_HEAVY_P,), tl.int32) + short.to(tl.int32) != 0)  # a short row's
+        # a short row's (the scalar broadcast as int32: the interpreter refuses a mask of block & scalar bool)
+        refill = k_ok & (tl.zeros((C_HEAVY_P,), tl.int32) + short.to(tl.int32) != 0)
         heavy = tl.load(dense + C_SINK + k, mask=refill, other=-1)
         tl.store(out + C_SINK + k, heavy.to(tl.int32), mask=refill)
         heavy_valid = tl.where(short, tl.sum((k_ok & (heavy >= 0)).to(tl.int64), 0), written.to(tl.int64))

@@ -326,10 +326,8 @@ def _candidate_tail(out_row, best_row, window_row, cols, key, n, heavy, top, C_P
     if WALK:
         _walk(out_row, best_row, cols.to(tl.int64), key, key != -2147483648, window_row, n, heavy, top, C_PAD,
               ASCENDING)
-    elif INDEX_ROW:
-        taken = _top_columns(out_row, key, cols, heavy, TILE, index_row, COLUMNS32)
     else:
-        taken = _top_columns(out_row, key, cols, heavy, TILE, out_row, False)
+        taken = _top_columns(out_row, key, cols, heavy, TILE, index_row, COLUMNS32 if INDEX_ROW else False)
     return taken
 
 
