@@ -241,18 +241,22 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
     if rows is None or len(rows):
         middle, source_heads, head_slot, _ = _source_rows(share, step.windows.selectable)
         heads = None if share.all_heads else source_heads
+        kept = None  # with static shapes, the layer's kept buffer, which head sharing writes into (`_keep`)
+        if cache.static is not None and rows is None:
+            kept = _kept_buffer(layer, "heavy", (query.shape[0], cache.sel_heads, config.budget.heavy), query.device)
         if config.sharing.successors:  # every head's entries at once
             chosen, _ = layer.policy.decode_heavy_successors(query[:, :, 0], middle, config.budget.heavy, rows, heads,
-                                                             head_slot=None if share.all_heads else head_slot)
+                                                             head_slot=None if share.all_heads else head_slot,
+                                                             out=(kept, None))
         else:
             chosen = layer.policy.decode_heavy(query[:, :, 0], middle, config.budget.heavy, rows, heads)
             if not share.all_heads:
-                chosen = per_head(chosen, head_slot)
+                chosen = per_head(chosen, head_slot, kept)
         heavy = _in_batch(chosen, rows, query.shape[0])
     for source_layer, copy_rows in share.copy_groups:
         source = cache.layers[source_layer].heavy
-        if copy_rows is None:
-            heavy = source
+        if copy_rows is None:  # every row (the layer's only group): the source's columns themselves, as
+            layer.heavy = heavy = source  # `_select_candidates` keeps its candidates
         else:
             if heavy is None:
                 heavy = torch.full_like(source, NO_TOKEN)
