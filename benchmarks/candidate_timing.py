@@ -13,6 +13,7 @@ compiles, agrees and is faster than the twin.
     python3 benchmarks/candidate_timing.py --widths 3776 --shapes 16x32x4096 --maxnreg 128   # a register cap
     python3 benchmarks/candidate_timing.py --widths 3776 --shapes 4x8x32768 --keys --group 4   # refine_by keys too
     python3 benchmarks/candidate_timing.py --widths 3776 --shapes 4x8x32768 --score-tiles 0,256   # split scoring
+    python3 benchmarks/candidate_timing.py --widths 1408 --shapes 16x32x4096 --channels 16 --no-mask   # the window's gather
 
 `--keys` also times the refinement by exact logits (`candidate_keys_triton.candidate_key_topk_triton`, bf16 keys
 ``[rows, heads, n, 128]``, `--group` query heads a head) against its twin.
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, default=None,
                         help="registers a thread at most, both kernels (default: theirs; 0: no cap)")
     parser.add_argument("--keys", action="store_true", help="also the refinement by exact logits (bf16 keys)")
+    parser.add_argument("--no-mask", action="store_true",
+                        help="the top-k without the window (no mask gather a candidate; the candidates are in it)")
     parser.add_argument("--group", type=int, default=1, help="query heads a head for --keys (default 1)")
     parser.add_argument("--score-tiles", default=None,
                         help="also the label kernels with their scoring in a launch of its own, at these candidates "
@@ -77,6 +80,7 @@ def main() -> None:
         key_query = (torch.randn(rows, heads * args.group, query.shape[-1], device=device, dtype=torch.bfloat16)
                      if args.keys else None)
         span = int(selectable[0].sum())
+        topk_window = None if args.no_mask else selectable
         for width in map(int, args.widths.split(",")):
             if width > span:
                 continue
@@ -91,11 +95,11 @@ def main() -> None:
                 def topk_triton():
                     return label_topk_triton.candidate_label_topk_triton(
                         query, chans, codes, scale, zero, args.bits, heavy, candidates, all_rows, all_heads,
-                        selectable, num_warps=args.warps, max_registers=args.maxnreg, score_tile=score_tile)
+                        topk_window, num_warps=args.warps, max_registers=args.maxnreg, score_tile=score_tile)
 
                 def topk_twin():
                     return candidate_label_topk_torch(query, chans, codes, scale, zero, args.bits, heavy, candidates,
-                                                      selectable)
+                                                      topk_window)
 
                 def walk_triton():  # the candidates ascending, as a selection's label top-k writes them; and their
                     return label_topk_triton.candidate_label_walk_triton(  # best heavy, as refinement asks
@@ -167,7 +171,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "candidate_timing.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "bits": args.bits,
-         "channels": args.channels, "results": results}, indent=1))
+         "channels": args.channels, "top-k window": not args.no_mask, "results": results}, indent=1))
 
 
 if __name__ == "__main__":
