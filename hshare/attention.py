@@ -241,7 +241,7 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
     if rows is None or len(rows):
         middle, source_heads, head_slot, _ = _source_rows(share, step.windows.selectable)
         heads = None if share.all_heads else source_heads
-        kept = None  # with static shapes, the layer's kept buffer, which head sharing writes into (`_keep`)
+        kept = None  # with static shapes, the layer's kept buffer, which the selection writes into (`_keep`)
         if cache.static is not None and rows is None:
             kept = _kept_buffer(layer, "heavy", (query.shape[0], cache.sel_heads, config.budget.heavy), query.device)
         if config.sharing.successors:  # every head's entries at once
@@ -249,7 +249,8 @@ def _select_heavy_columns(cache: HShareCache, step: DecodeStep, layer_idx: int, 
                                                              head_slot=None if share.all_heads else head_slot,
                                                              out=(kept, None))
         else:
-            chosen = layer.policy.decode_heavy(query[:, :, 0], middle, config.budget.heavy, rows, heads)
+            chosen = layer.policy.decode_heavy(query[:, :, 0], middle, config.budget.heavy, rows, heads,
+                                               out=kept if share.all_heads else None)
             if not share.all_heads:
                 chosen = per_head(chosen, head_slot, kept)
         heavy = _in_batch(chosen, rows, query.shape[0])

@@ -190,13 +190,13 @@ class LabelCache(SelectionPolicy):
                                    self.bits, rows, heads)
 
     def decode_heavy(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int, rows: torch.Tensor | None = None,
-                     heads: torch.Tensor | None = None) -> torch.Tensor:
+                     heads: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """On CUDA, label scoring and the heavy top-k in one fused operation (`kernels.decode_label_topk`:
         the ``[B', H', n]`` scores are never written); elsewhere `decode_scores` then the top-k (the twin)."""
         if not use_triton(self.codes.view()):
-            return super().decode_heavy(query, selectable, heavy, rows, heads)
+            return super().decode_heavy(query, selectable, heavy, rows, heads, out)
         return decode_label_topk(query, self.channels, self.codes.view(), self.scale.view(), self.zero.view(),
-                                 self.bits, heavy, selectable=selectable, rows=rows, heads=heads)
+                                 self.bits, heavy, selectable=selectable, rows=rows, heads=heads, out=out)
 
     def decode_heavy_successors(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int,
                                 rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, top: int = 0,

@@ -200,7 +200,7 @@ class LokiKeyCache(SelectionPolicy):
         return self.token_scores(self.project_queries(query[:, :, None], rows, heads), rows, heads)[:, :, 0]
 
     def decode_heavy(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int, rows: torch.Tensor | None = None,
-                     heads: torch.Tensor | None = None) -> torch.Tensor:
+                     heads: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """16-bit keys (bf16, fp16): the projected keys are 16-bit labels of r channels and the projected query
         their query labels, so scoring and the heavy top-k are the label policy's fused operation
         (`kernels.label_topk`: on CUDA the ``[B', H', n]`` scores are never written; its twin elsewhere), each
@@ -208,7 +208,7 @@ class LokiKeyCache(SelectionPolicy):
         products' sum. Other dtypes: `decode_scores` then the top-k."""
         keys = self.projected.view()
         if keys.dtype not in (torch.bfloat16, torch.float16):
-            return super().decode_heavy(query, selectable, heavy, rows, heads)
+            return super().decode_heavy(query, selectable, heavy, rows, heads, out)
         projected = self.project_queries(query[:, :, None], rows, heads)[:, :, 0]  # [B', H', r]
         kv = kv_heads_of(self.sel_heads, self.kv_heads, heads, keys.device)
-        return label_topk(projected, keys, None, None, 16, heavy, selectable=selectable, rows=rows, heads=kv)
+        return label_topk(projected, keys, None, None, 16, heavy, selectable=selectable, rows=rows, heads=kv, out=out)

@@ -30,7 +30,7 @@ import torch
 from hshare.buffer import GrowingBuffer
 from hshare.config import ConfigError, HShareConfig, PolicyConfig
 from hshare.kernels import NO_TOKEN, CriticalWindows, select_heavy, with_critical, with_successors
-from hshare.kernels.selection_heads import kv_heads_read, per_head, pick_heads, refine_into
+from hshare.kernels.selection_heads import columns_into, kv_heads_read, per_head, pick_heads, refine_into
 
 if TYPE_CHECKING:
     from hshare.heads import HeadShard
@@ -71,7 +71,8 @@ class SelectionPolicy(ABC):
 
     What a subclass may override to go faster, keeping the contract: `decode_heavy` (score and select a
     selection step's heavy columns in one pass: the labels' fused top-k, Quest's selection from page
-    scores) and `candidate_heavy` (the same over a refinement's candidates).
+    scores; into the `out` buffer it is given where that fits) and `candidate_heavy` (the same over a
+    refinement's candidates).
     """
 
     name: ClassVar[str] = ""
@@ -153,12 +154,13 @@ class SelectionPolicy(ABC):
         all) and selection heads ``[B' or 1, H']`` (None = all H_sel): only those are computed."""
 
     def decode_heavy(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int, rows: torch.Tensor | None = None,
-                     heads: torch.Tensor | None = None) -> torch.Tensor:
+                     heads: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The heavy columns ``[B', H', heavy]`` of a selection step: the `heavy` best `decode_scores` of the
         selectable window ``[B', n]`` (bool) of rows ``[B']`` (None = all) and selection heads ``[B' or 1, H']``
         (None = all), ``NO_TOKEN`` where the window is short (`kernels.select_heavy`'s contract: the set is
-        the contract, not the order). A policy that can score and select in one pass overrides it."""
-        return select_heavy(self.decode_scores(query, rows, heads), selectable[:, None], heavy)
+        the contract, not the order); written into `out` where it fits them (`selection_heads.column_buffer`: a
+        layer's kept buffer), else a new tensor. A policy that can score and select in one pass overrides it."""
+        return columns_into(select_heavy(self.decode_scores(query, rows, heads), selectable[:, None], heavy), out)
 
     def decode_heavy_successors(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int,
                                 rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, top: int = 0,

@@ -272,11 +272,11 @@ class QuestPageCache(SelectionPolicy):
         return self.token_keys(self.page_scores(query[:, :, None], rows, heads)[:, :, 0], rows)
 
     def decode_heavy(self, query: torch.Tensor, selectable: torch.Tensor, heavy: int, rows: torch.Tensor | None = None,
-                     heads: torch.Tensor | None = None) -> torch.Tensor:
+                     heads: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The heavy columns ``[B', H', heavy]`` of a selection step from the page scores alone: the set the
         top-`heavy` of `decode_scores` over the selectable window ``[B', n]`` takes (the selectable columns of
         the best pages, page after page, the last page cut after its first columns), in column order, then
         ``NO_TOKEN`` past the window's size; without a key per column (`kernels.page_heavy`)."""
         scores = self.page_scores(query[:, :, None], rows, heads)[:, :, 0]  # [B', H', P]
         shift = self.shift if rows is None else self.shift.index_select(0, rows)
-        return page_heavy(scores, selectable, shift, self.page_size, heavy)
+        return page_heavy(scores, selectable, shift, self.page_size, heavy, out)

@@ -506,12 +506,14 @@ class SelectionSpy:
             return out
 
         def checked_decode_heavy(original):
-            def decode_heavy(self, query, selectable, heavy, rows=None, heads=None):
-                out = original(self, query, selectable, heavy, rows, heads)
+            def decode_heavy(self, query, selectable, heavy, rows=None, heads=None, out=None):
+                chosen = original(self, query, selectable, heavy, rows, heads, out)
                 spy.select_calls += 1
                 assert heavy in spy.top_k_sizes
-                check_top_k(self.decode_scores(query, rows, heads).cpu(), selectable[:, None].cpu(), heavy, out.cpu())
-                return out
+                assert out is None or chosen is out or chosen.shape != out.shape, "a kept buffer that fits, not used"
+                check_top_k(self.decode_scores(query, rows, heads).cpu(), selectable[:, None].cpu(), heavy,
+                            chosen.cpu())
+                return chosen
             return decode_heavy
 
         def checked_candidate_heavy(original):

@@ -179,6 +179,36 @@ def test_triton_matches_twin(bits, dtype, chunk):
                                       query=query, channels=channels, chunk=chunk, tile=32), got)
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_selection_writes_into_a_buffer_that_fits(monkeypatch, kernels):
+    """`out` (a layer's kept buffer): the columns are written into it where it is a contiguous int64 tensor of
+    their shape (whatever it held before), else into a new tensor, `out` untouched; the columns are a call's
+    without it."""
+    if kernels == "triton":
+        triton_or_skip()
+    monkeypatch.setenv("HSHARE_KERNELS", kernels)
+    torch.manual_seed(3)
+    batch, sel_heads, q_heads, n, r, dim, heavy = 2, 2, 4, 120, 8, 16, 11
+    codes, scale, zero = label_cache(batch, sel_heads, n, r, 4, seed=3)
+    query = torch.randn(batch, q_heads, dim, device=DEVICE)
+    channels = torch.stack([torch.randperm(dim, device=DEVICE)[:r] for _ in range(sel_heads)])[None]
+    selectable = torch.rand(batch, n, device=DEVICE) < 0.7
+
+    def select(out=None):
+        return decode_label_topk(query, channels, codes, scale, zero, 4, heavy, selectable=selectable, out=out)
+
+    want = select()
+    buffer = torch.randint(-5, n, (batch, sel_heads, heavy), device=DEVICE)
+    got = select(buffer)
+    assert got is buffer and torch.equal(got, want)
+    wider = torch.zeros(batch, sel_heads, heavy + 1, dtype=torch.long, device=DEVICE)
+    strided = torch.zeros(batch, heavy, sel_heads, dtype=torch.long, device=DEVICE).transpose(1, 2)
+    for other in (wider, strided, buffer.int()):
+        before = other.clone()
+        got = select(other)
+        assert got is not other and torch.equal(got, want) and torch.equal(other, before)
+
+
 def test_triton_short_windows_ties_and_non_finite():
     """Two launches (chunks of 32; the candidates in tiles of 16, or in one tile held in registers)
     and one: rows whose window holds fewer than heavy tokens or none, a tie group of identical labels

@@ -371,6 +371,9 @@ def test_label_cache_freezes_whole_at_its_reserve():
     ("hshare-refine-successors-c4", "torch", {}),
     ("hshare-1_2-1_2-1_2", "torch", {}),  # the head gathers write into the buffer, copying layers keep the source's
     ("hshare-successors", "triton", {}),
+    ("ds", "triton", {}),  # every head selects: the fused label top-k writes into the buffer
+    ("ds", "torch", {}),
+    ("quest", "triton", {}),  # the page top-k writes into the buffer
 ])
 def test_selection_writes_the_kept_buffers(monkeypatch, preset, kernels, overrides):
     """With static shapes a selection step's layers write their heavy columns (and candidates) into the layer's

@@ -53,13 +53,14 @@ import torch
 from .critical_indices import NO_TOKEN, CriticalWindows, check_critical_refinement, with_critical
 from .dispatch import use_triton
 from .labels import candidate_label_scores, decode_query_labels, score_heads_torch
-from .selection_heads import per_head, refine_into
+from .selection_heads import columns_into, per_head, refine_into
 from .successors import with_successors_torch
 
 
 def label_topk(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
                bits: int, heavy: int, window: torch.Tensor | None = None, selectable: torch.Tensor | None = None,
-               rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+               rows: torch.Tensor | None = None, heads: torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Top-`heavy` columns of each (row, head) by label score (module contract).
 
     Args:
@@ -68,6 +69,8 @@ def label_topk(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
         heavy: tokens to keep.
         window: ``[A, 2]`` per-row column bounds ``[start, end)``; selectable: ``[A, n]`` bool.
         rows: ``[A]`` batch rows (None = all); heads: ``[A or 1, H']`` selection heads (None = all).
+        out: where the columns are written when it fits them (`selection_heads.column_buffer`: a layer's kept
+            buffer), else a new tensor.
 
     Returns:
         ``[A, H', heavy]`` int64 columns, ascending, then ``NO_TOKEN``.
@@ -75,20 +78,22 @@ def label_topk(query_labels: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
     if _runs_triton(query_labels, codes, bits, heavy, query_labels.shape[-1]):
         from .label_topk_triton import label_topk_triton
 
-        return label_topk_triton(query_labels, codes, scale, zero, bits, heavy, rows, heads, window, selectable)
-    return label_topk_torch(query_labels, codes, scale, zero, bits, heavy, window, selectable, rows, heads)
+        return label_topk_triton(query_labels, codes, scale, zero, bits, heavy, rows, heads, window, selectable,
+                                 out=out)
+    return columns_into(label_topk_torch(query_labels, codes, scale, zero, bits, heavy, window, selectable, rows,
+                                         heads), out)
 
 
 def decode_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                       zero: torch.Tensor | None, bits: int, heavy: int, window: torch.Tensor | None = None,
                       selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                      heads: torch.Tensor | None = None) -> torch.Tensor:
+                      heads: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`label_topk` of the decode query: the labels are the query's heavy channels (module contract).
 
     Args:
         query: ``[B, Hq, d]`` the decode query of every row.
         channels: ``[P, H_sel, r]`` heavy channels per selection head (P = 1 or B).
-        codes, scale, zero, bits, heavy, window, selectable, rows, heads: as `label_topk`; without
+        codes, scale, zero, bits, heavy, window, selectable, rows, heads, out: as `label_topk`; without
             `rows`, A = B.
 
     Returns:
@@ -99,8 +104,9 @@ def decode_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: torch.
         from .label_topk_triton import label_topk_triton
 
         return label_topk_triton(None, codes, scale, zero, bits, heavy, rows, heads, window, selectable,
-                                 query=query, channels=channels)
-    return decode_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, window, selectable, rows, heads)
+                                 query=query, channels=channels, out=out)
+    return columns_into(decode_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, window, selectable,
+                                                rows, heads), out)
 
 
 def candidate_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,

@@ -67,6 +67,7 @@ from .successors_triton import COLUMN_BITS, _walk
 from .critical_indices import NO_TOKEN, CriticalWindows
 from .critical_indices_triton import _write_critical_row, critical_arguments, no_critical
 from .dependent_launch import pdl_options, wait_for_previous_kernel
+from .selection_heads import column_buffer
 
 SINGLE_CHUNK = 8192  # the longest row of 4- or 8-bit labels one program scores and selects (one launch)
 CHUNK = 4096  # columns per program of a longer row
@@ -796,8 +797,7 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     if not by_head:  # with head slots, every selection head's entries, each its source's
         entries = n_heads if head_slot is None else head_slot.shape[-1]
         shapes = ((count, entries, heavy), (count, entries, top))
-        out, best = (given if walk and given is not None and given.shape == shape and given.dtype == torch.int64
-                     and given.is_contiguous() else torch.empty(shape, dtype=torch.int64, device=codes.device)
+        out, best = (column_buffer(given if walk else None, shape, codes.device)
                      for given, shape in zip(walk_out, shapes))
     else:
         best = torch.empty(count, n_heads, top, dtype=torch.int64, device=codes.device)
@@ -895,19 +895,20 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
                       query: torch.Tensor | None = None, channels: torch.Tensor | None = None,
                       chunk: int | None = None, tile: int | None = None, num_warps: int | None = None,
                       tail_warps: int | None = None, max_registers: int | None = None,
-                      keys: torch.Tensor | None = None) -> torch.Tensor:
+                      keys: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `label_topk.label_topk` (``[A, H', heavy]`` int64, ascending columns, then
     NO_TOKEN), for rows ``[A]`` and heads ``[A or 1, H']`` index tensors (None: all, in order). Without
     `query_labels`, the labels are gathered in the kernel from the decode `query` ``[B, Hq, d]`` and the
     heavy `channels` ``[P, H_sel, r]``. With `keys` (int32 ``[A * H', >= heavy]``, unit column stride) each
     row-head's row gets its columns' order-preserving score keys at their slots, INT32_MIN after them (what
-    `candidate_label_walk_triton` reads instead of scoring the columns again). `chunk` (a power of two), `tile`,
+    `candidate_label_walk_triton` reads instead of scoring the columns again). The columns are written into `out`
+    where it fits them (`selection_heads.column_buffer`). `chunk` (a power of two), `tile`,
     `num_warps`, `tail_warps` and `max_registers` (a thread's register cap, every launch; 0: none) override the
     launch (tests, benchmark sweeps)."""
     n = codes.shape[2]
     count, n_heads = _selection_shape(query_labels, query, channels, rows, heads)
     device = codes.device
-    out = torch.empty(count, n_heads, heavy, dtype=torch.int64, device=device)
+    out = column_buffer(out, (count, n_heads, heavy), device)
     if heavy == 0 or count * n_heads == 0:
         return out
     if keys is not None and (keys.dtype != torch.int32 or keys.shape[0] != count * n_heads or keys.shape[1] < heavy

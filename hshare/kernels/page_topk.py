@@ -19,16 +19,18 @@ import torch
 
 from .critical_indices import NO_TOKEN
 from .dispatch import use_triton
+from .selection_heads import columns_into
 
 
 def page_heavy(scores: torch.Tensor, selectable: torch.Tensor, shift: torch.Tensor, page_size: int,
-               heavy: int) -> torch.Tensor:
-    """The heavy columns of Quest's page ranking (contract: `page_heavy_torch`); Triton for CUDA tensors."""
+               heavy: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The heavy columns of Quest's page ranking (contract: `page_heavy_torch`); Triton for CUDA tensors. Written
+    into `out` when it fits them (`selection_heads.column_buffer`: a layer's kept buffer), else a new tensor."""
     if use_triton(scores) and scores.dtype == torch.float32:
         from .page_topk_triton import page_heavy_triton
 
-        return page_heavy_triton(scores, selectable, shift, page_size, heavy)
-    return page_heavy_torch(scores, selectable, shift, page_size, heavy)
+        return page_heavy_triton(scores, selectable, shift, page_size, heavy, out)
+    return columns_into(page_heavy_torch(scores, selectable, shift, page_size, heavy), out)
 
 
 def page_heavy_torch(scores: torch.Tensor, selectable: torch.Tensor, shift: torch.Tensor, page_size: int,

@@ -27,6 +27,7 @@ import triton.language as tl
 from .critical_indices import NO_TOKEN
 from .key_search_triton import _exact_threshold, _fill_empty, _first_value, _key_stats, _score_key
 from .dependent_launch import pdl_options, wait_for_previous_kernel
+from .selection_heads import column_buffer
 
 BLOCK_COLUMNS = 16384  # window columns counted at once
 BLOCK_TAKEN = 64  # taken pages written at once
@@ -106,12 +107,12 @@ def _page_heavy(
 
 
 def page_heavy_triton(scores: torch.Tensor, selectable: torch.Tensor, shift: torch.Tensor, page_size: int,
-                      heavy: int) -> torch.Tensor:
+                      heavy: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """`page_heavy` of fp32 page scores ``[B', H', P]``, the window ``[B', n]`` and shifts ``[B']``:
-    ``[B', H', heavy]`` int64."""
+    ``[B', H', heavy]`` int64, into `out` where it fits (`selection_heads.column_buffer`)."""
     count, width, pages = scores.shape
     n = selectable.shape[-1]
-    out = torch.empty(count, width, heavy, dtype=torch.int64, device=scores.device)
+    out = column_buffer(out, (count, width, heavy), scores.device)
     if count * width * heavy == 0:
         return out
     if pages == 0:

@@ -59,6 +59,21 @@ def refine_into(out: torch.Tensor, candidates: torch.Tensor, heads: torch.Tensor
     return out.scatter_(1, index, refine(pick_heads(candidates, heads=heads)))
 
 
+def column_buffer(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Where a selection kernel writes its columns ``shape`` int64: `out` when it is a contiguous int64 tensor of that
+    shape (a layer's kept buffer, written in place), else a new one."""
+    if out is not None and out.shape == shape and out.dtype == torch.int64 and out.is_contiguous():
+        return out
+    return torch.empty(shape, dtype=torch.int64, device=device)
+
+
+def columns_into(columns: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """A twin's `columns` written into `out` when it fits them (`column_buffer`), else `columns` themselves."""
+    if out is None or column_buffer(out, columns.shape, columns.device) is not out:
+        return columns
+    return out.copy_(columns)
+
+
 def per_head(columns: torch.Tensor, head_slot: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[B', n_src, k]`` columns of a layer's source heads -> ``[B', H_sel, k]``: each head its source's
     (``head_slot`` ``[P, H_sel]``: each head's slot among the source heads, P = 1 or B'); written into `out` when
