@@ -30,7 +30,7 @@ import torch
 from hshare.buffer import GrowingBuffer
 from hshare.config import ConfigError, HShareConfig, PolicyConfig
 from hshare.kernels import NO_TOKEN, CriticalWindows, select_heavy, with_critical, with_successors
-from hshare.kernels.selection_heads import columns_into, kv_heads_read, per_head, pick_heads, refine_into
+from hshare.kernels.selection_heads import columns_into, kv_heads_read, pick_heads, refine_into, walk_into
 
 if TYPE_CHECKING:
     from hshare.heads import HeadShard
@@ -171,8 +171,8 @@ class SelectionPolicy(ABC):
         `heavy` best columns walked in rank order, each taken with the column after it, until `heavy` are
         taken, and ``[B', H', top]`` the best `top` of them, both ascending (`kernels.with_successors`).
         With `head_slot` ``[P, H_sel]`` (each selection head's slot among the source heads `heads`): every
-        selection head's ``[B', H_sel, ...]``, each its source's (`per_head`), into `out` ``(taken, best)`` where
-        its tensors fit. Ranking them scores them again (`candidate_scores`: `heavy` units) where the policy scores
+        selection head's ``[B', H_sel, ...]``, each its source's (`per_head`); written into `out` ``(taken, best)``
+        where its tensors fit (`selection_heads.walk_into`). Ranking them scores them again (`candidate_scores`: `heavy` units) where the policy scores
         candidates alone; otherwise one score tensor serves both. A policy whose kernels write every head's
         entries overrides it."""
         if self.scores_candidates:
@@ -182,9 +182,7 @@ class SelectionPolicy(ABC):
             scores = self.decode_scores(query, rows, heads)
             best = select_heavy(scores, selectable[:, None], heavy)
             taken, best = with_successors(best, scores.gather(-1, best.clamp(min=0)), selectable, top)
-        if head_slot is None:
-            return taken, best
-        return per_head(taken, head_slot, out[0]), per_head(best, head_slot, out[1])
+        return walk_into(taken, best, head_slot, out)
 
     def successor_rescorings(self, walked: int) -> int:
         """Units that `decode_heavy_successors` scores again a (row, head) to rank its `walked` top columns: all of

@@ -53,7 +53,7 @@ import torch
 from .critical_indices import NO_TOKEN, CriticalWindows, check_critical_refinement, with_critical
 from .dispatch import use_triton
 from .labels import candidate_label_scores, decode_query_labels, score_heads_torch
-from .selection_heads import columns_into, per_head, refine_into
+from .selection_heads import columns_into, refine_into, walk_into
 from .successors import with_successors_torch
 
 
@@ -211,7 +211,7 @@ def decode_label_topk_walk(query: torch.Tensor, channels: torch.Tensor, codes: t
             position; a source head is its own); then every selection head's results, each its source's
             (`selection_heads.per_head`).
         out: ``(taken, best)`` buffers the results are written into where they have the results' shapes (contiguous
-            int64; the Triton walk, or the twin's with `head_slot`), else new tensors are returned.
+            int64; `selection_heads.walk_into`), else new tensors are returned.
 
     Returns:
         ``(taken, best)``, ``[A, H', C]`` and ``[A, H', top]`` int64 (H_sel with `head_slot`), as
@@ -226,9 +226,7 @@ def decode_label_topk_walk(query: torch.Tensor, channels: torch.Tensor, codes: t
                                      head_slot, out)
     taken, best = decode_label_topk_walk_torch(query, channels, codes, scale, zero, bits, count, selectable, rows,
                                                heads, top)
-    if head_slot is None:
-        return taken, best
-    return per_head(taken, head_slot, out[0]), per_head(best, head_slot, out[1])
+    return walk_into(taken, best, head_slot, out)
 
 
 def decode_label_topk_walk_torch(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,

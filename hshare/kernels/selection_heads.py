@@ -59,26 +59,34 @@ def refine_into(out: torch.Tensor, candidates: torch.Tensor, heads: torch.Tensor
     return out.scatter_(1, index, refine(pick_heads(candidates, heads=heads)))
 
 
+def _fits(out: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
+    """Whether `out` can take columns ``shape``: a contiguous int64 tensor of that shape (a layer's kept buffer)."""
+    return out is not None and out.shape == shape and out.dtype == torch.int64 and out.is_contiguous()
+
+
 def column_buffer(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Where a selection kernel writes its columns ``shape`` int64: `out` when it is a contiguous int64 tensor of that
-    shape (a layer's kept buffer, written in place), else a new one."""
-    if out is not None and out.shape == shape and out.dtype == torch.int64 and out.is_contiguous():
-        return out
-    return torch.empty(shape, dtype=torch.int64, device=device)
+    """Where a selection writes its columns ``shape`` int64: `out` when it fits them (written in place), else a new
+    tensor."""
+    return out if _fits(out, shape) else torch.empty(shape, dtype=torch.int64, device=device)
 
 
 def columns_into(columns: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """A twin's `columns` written into `out` when it fits them (`column_buffer`), else `columns` themselves."""
-    if out is None or column_buffer(out, columns.shape, columns.device) is not out:
-        return columns
-    return out.copy_(columns)
+    return out.copy_(columns) if _fits(out, columns.shape) else columns
 
 
 def per_head(columns: torch.Tensor, head_slot: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[B', n_src, k]`` columns of a layer's source heads -> ``[B', H_sel, k]``: each head its source's
     (``head_slot`` ``[P, H_sel]``: each head's slot among the source heads, P = 1 or B'); written into `out` when
-    it is a tensor of that shape and dtype (a layer's kept buffer), else into a new one."""
+    it fits them (`column_buffer`), else into a new tensor."""
     slots = head_slot.expand(columns.shape[0], -1)[..., None].expand(-1, -1, columns.shape[-1])
-    if out is not None and out.shape == slots.shape and out.dtype == columns.dtype:
-        return torch.gather(columns, 1, slots, out=out)
-    return columns.gather(1, slots)
+    return torch.gather(columns, 1, slots, out=column_buffer(out, slots.shape, columns.device))
+
+
+def walk_into(taken: torch.Tensor, best: torch.Tensor, head_slot: torch.Tensor | None,
+              out: tuple[torch.Tensor | None, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A twin walk's ``(taken, best)`` of the source heads into `out` ``(taken, best)`` where each fits: with
+    `head_slot`, every selection head's entries, each its source's (`per_head`), as the Triton walk writes them."""
+    if head_slot is None:
+        return columns_into(taken, out[0]), columns_into(best, out[1])
+    return per_head(taken, head_slot, out[0]), per_head(best, head_slot, out[1])
