@@ -13,7 +13,7 @@ compiles, agrees and is faster than the twin.
     python3 benchmarks/candidate_timing.py --widths 3776 --shapes 16x32x4096 --maxnreg 128   # a register cap
     python3 benchmarks/candidate_timing.py --widths 3776 --shapes 4x8x32768 --keys --group 4   # refine_by keys too
     python3 benchmarks/candidate_timing.py --widths 3776 --shapes 4x8x32768 --score-tiles 0,256   # split scoring
-    python3 benchmarks/candidate_timing.py --widths 1408 --shapes 16x32x4096 --channels 16 --no-mask   # the window's gather
+    python3 benchmarks/candidate_timing.py --widths 1408 --shapes 16x32x4096 --channels 16 --no-window   # its cost
 
 `--keys` also times the refinement by exact logits (`candidate_keys_triton.candidate_key_topk_triton`, bf16 keys
 ``[rows, heads, n, 128]``, `--group` query heads a head) against its twin.
@@ -55,8 +55,8 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, default=None,
                         help="registers a thread at most, both kernels (default: theirs; 0: no cap)")
     parser.add_argument("--keys", action="store_true", help="also the refinement by exact logits (bf16 keys)")
-    parser.add_argument("--no-mask", action="store_true",
-                        help="the top-k without the window (no mask gather a candidate; the candidates are in it)")
+    parser.add_argument("--no-window", action="store_true",
+                        help="the top-k without its window (no bounds tested; the candidates are in it)")
     parser.add_argument("--group", type=int, default=1, help="query heads a head for --keys (default 1)")
     parser.add_argument("--score-tiles", default=None,
                         help="also the label kernels with their scoring in a launch of its own, at these candidates "
@@ -72,7 +72,7 @@ def main() -> None:
     results = []
     for shape in args.shapes.split(","):
         rows, heads, n = map(int, shape.split("x"))
-        codes, scale, zero, query, chans, _, selectable = make_step(rows, heads, n, args.bits, args.channels, 0.0,
+        codes, scale, zero, query, chans, window, selectable = make_step(rows, heads, n, args.bits, args.channels, 0.0,
                                                                     device)
         all_rows = torch.arange(rows, device=device)
         all_heads = torch.arange(heads, device=device)[None]
@@ -80,7 +80,7 @@ def main() -> None:
         key_query = (torch.randn(rows, heads * args.group, query.shape[-1], device=device, dtype=torch.bfloat16)
                      if args.keys else None)
         span = int(selectable[0].sum())
-        topk_window = None if args.no_mask else selectable
+        topk_window = None if args.no_window else window  # the top-k's window: bounds; the walk's: the mask
         for width in map(int, args.widths.split(",")):
             if width > span:
                 continue
@@ -112,10 +112,10 @@ def main() -> None:
 
                 def keys_triton():
                     return candidate_keys_triton.candidate_key_topk_triton(key_query, keys, heavy, candidates,
-                                                                           selectable, num_warps=args.warps)
+                                                                           window, num_warps=args.warps)
 
                 def keys_twin():
-                    return candidate_key_topk_torch(key_query, keys, heavy, candidates, selectable)
+                    return candidate_key_topk_torch(key_query, keys, heavy, candidates, window)
 
                 with torch.no_grad():
                     agree = {}  # the share of (row, head) programs equal to the twin's (fp32 scores rounded
@@ -171,7 +171,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "candidate_timing.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "bits": args.bits,
-         "channels": args.channels, "top-k window": not args.no_mask, "results": results}, indent=1))
+         "channels": args.channels, "top-k window": not args.no_window, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

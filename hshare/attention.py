@@ -92,7 +92,7 @@ def hshare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             _keep(cache, layer, "heavy", _select_heavy_columns(cache, step, layer_idx, query))
     elif layer.candidates is not None and cache.config.sharing.refine_steps:  # refined with this step's query
         indices = _refine(cache, layer, _refinement(layer, by_keys), query[:, :, 0], layer.candidates,
-                          step.windows.middle, critical)
+                          step.windows.middle_bounds, critical)
     elif layer.heavy is None:  # no heavy budget (StreamingLLM): sink + local only
         layer.heavy = torch.full((query.shape[0], cache.sel_heads, cache.config.budget.heavy), NO_TOKEN, dtype=torch.long,
                                  device=query.device)
@@ -177,7 +177,8 @@ def _refinement(layer: HShareLayer, by_keys: Refine | None) -> Refine:
 def _refine(cache: HShareCache, layer: HShareLayer, refine: Refine, query: torch.Tensor, candidates: torch.Tensor,
             window: torch.Tensor, critical: CriticalWindows | None) -> torch.Tensor | None:
     """Keep as the layer's heavy columns ``[B, H_sel, heavy]`` the best of every selection head's `candidates`
-    ``[B, H_sel, C]`` in the `window` ``[B, n]`` by its own decode `query` ``[B, Hq, d]`` (`refine`, `_refinement`).
+    ``[B, H_sel, C]`` in the `window` (column bounds ``[B, 2]``) by its own decode `query` ``[B, Hq, d]`` (`refine`,
+    `_refinement`).
     With static shapes they are written into the layer's own buffer in place (made at the first refinement, so that a
     captured step refines as its eager warm-up did). Returns their critical indices ``[B, H_sel, N_c]`` for the
     step's `critical` windows, made by the refinement (on CUDA in its own launch), or None without them."""
@@ -283,16 +284,18 @@ def _select_candidates(cache: HShareCache, step: DecodeStep, layer_idx: int, que
     share = step.shares[layer_idx]
     batch, count, kept = query.shape[0], config.candidate_count, config.budget.heavy
     decode_query = query[:, :, 0]
-    window = step.windows.selectable
+    window = step.windows.selectable_bounds  # the refinements' (a candidate is a valid column: bounds suffice)
     heavy = candidates = None
     rows = share.select_rows
     if rows is None or len(rows):
-        middle, source_heads, head_slot, copy_heads = _source_rows(share, window)
+        selectable, source_heads, head_slot, copy_heads = _source_rows(share, step.windows.selectable)
         sharing = {} if share.all_heads else dict(heads=source_heads, head_slot=head_slot, copy_heads=copy_heads)
         if cache.static is not None and rows is None:  # the selection writes into the kept buffers (`_keep`)
             sharing["out"] = (_kept_buffer(layer, "heavy", (batch, cache.sel_heads, kept), query.device),
                               _kept_buffer(layer, "candidates", (batch, cache.sel_heads, count), query.device))
-        chosen, picked = select_candidates(layer.policy, decode_query, middle, count, kept, rows=rows,
+        chosen, picked = select_candidates(layer.policy, decode_query, selectable,
+                                           window if rows is None else window.index_select(0, rows), count, kept,
+                                           rows=rows,
                                            successors=config.sharing.successors, refine=by_keys, **sharing)
         heavy, candidates = _in_batch(chosen, rows, batch), _in_batch(picked, rows, batch)
     refine = _refinement(layer, by_keys)

@@ -29,7 +29,7 @@ import torch
 
 from hshare.buffer import GrowingBuffer
 from hshare.config import ConfigError, HShareConfig, PolicyConfig
-from hshare.kernels import NO_TOKEN, CriticalWindows, select_heavy, with_critical, with_successors
+from hshare.kernels import NO_TOKEN, CriticalWindows, in_window, select_heavy, with_critical, with_successors
 from hshare.kernels.selection_heads import columns_into, kv_heads_read, pick_heads, refine_into, walk_into
 
 if TYPE_CHECKING:
@@ -205,7 +205,8 @@ class SelectionPolicy(ABC):
                         out: torch.Tensor | None = None, critical: CriticalWindows | None = None
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The heavy columns ``[B', H', heavy]`` of a refinement: the `heavy` best candidates ``[B', H', C]``
-        (negative entries: none) that lie in the window ``[B', n]`` (bool), by this query's own
+        (valid columns, a selection's; negative entries: none) that lie in the row's window, given by its column
+        bounds ``[B', 2]`` (``[start, end)``, `RowWindows.middle_bounds`; `kernels.in_window`), by this query's own
         `candidate_scores`, for the decode query ``[B, Hq, d]`` of rows ``[B']`` (None = all) and selection
         heads ``[B' or 1, H']`` (None = all); ``NO_TOKEN`` where fewer are allowed. The set is the contract.
         With `out` ``[B', H_sel, heavy]`` (and `heads`), `candidates` are every selection head's
@@ -214,7 +215,7 @@ class SelectionPolicy(ABC):
         ``(columns, critical.indices(columns))``, the decode's critical indices too.
         A policy that scores and selects candidates in one pass overrides it."""
         def refine(own: torch.Tensor) -> torch.Tensor:
-            allowed = (own >= 0) & window[:, None].expand(-1, own.shape[1], -1).gather(-1, own.clamp(min=0))
+            allowed = in_window(own, window)
             return top_candidates(self.candidate_scores(query, own, rows, heads), own, allowed, heavy)
 
         return with_critical(refine(candidates) if out is None else refine_into(out, candidates, heads, refine),

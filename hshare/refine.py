@@ -27,9 +27,9 @@ from hshare.kernels import CriticalWindows, candidate_key_topk
 from hshare.policy import SelectionPolicy, top_candidates
 from hshare.selection import per_head, select_heavy
 
-# (query [B, Hq, d], candidates [B', H', C], window [B', n], heavy, rows=None, heads=None, out=None, critical=None)
-# -> [B', H', heavy] int64 columns, or with `critical` (columns, their critical indices [B, H_sel, N_c]):
-# `SelectionPolicy.candidate_heavy`'s contract
+# (query [B, Hq, d], candidates [B', H', C], window [B', 2] (column bounds), heavy, rows=None, heads=None, out=None,
+# critical=None) -> [B', H', heavy] int64 columns, or with `critical` (columns, their critical indices
+# [B, H_sel, N_c]): `SelectionPolicy.candidate_heavy`'s contract
 Refine = Callable[..., "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 
@@ -45,8 +45,8 @@ def refine_by_keys(keys: torch.Tensor) -> Refine:
     return refine
 
 
-def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torch.Tensor, count: int, heavy: int,
-                      rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
+def select_candidates(policy: SelectionPolicy, query: torch.Tensor, selectable: torch.Tensor, window: torch.Tensor,
+                      count: int, heavy: int, rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
                       head_slot: torch.Tensor | None = None, copy_heads: torch.Tensor | None = None,
                       successors: bool = False, out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
                       refine: Refine | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +56,8 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
 
     Args:
         policy: the layer's selection policy; query: ``[B, Hq, d]`` the decode query of every row.
-        window: ``[B', n]`` bool, the selectable columns of rows `rows` (None = all).
+        selectable: ``[B', n]`` bool, the selectable columns of rows `rows` (None = all); window: ``[B', 2]`` their
+            column bounds (`RowWindows.selectable_bounds`), which the refinements take.
         count: C candidates; heavy: the heavy columns kept, <= C.
         heads: ``[P, n_src]`` the source heads (None = every selection head selects, and the rest is None);
         head_slot: ``[P, H_sel]`` each head's slot among them; copy_heads: ``[P, H_sel - n_src]`` the heads
@@ -83,17 +84,17 @@ def select_candidates(policy: SelectionPolicy, query: torch.Tensor, window: torc
     # source's; a copying head's heavy refined below)
     spread = successors and not refine_sources and head_slot is not None
     if successors:  # a source head's heavy columns are its top `heavy`, from the walk's scores
-        candidates, chosen = policy.decode_heavy_successors(query, window, count, rows, heads, top=heavy,
+        candidates, chosen = policy.decode_heavy_successors(query, selectable, count, rows, heads, top=heavy,
                                                             head_slot=head_slot if spread else None,
                                                             out=(out[1], out[0]))
     elif policy.scores_candidates:
-        candidates = policy.decode_heavy(query, window, count, rows, heads)
+        candidates = policy.decode_heavy(query, selectable, count, rows, heads)
         if head_slot is not None:
             candidates, heads = per_head(candidates, head_slot), None
         return refine(query, candidates, window, heavy, rows, heads), candidates
     else:
         scores = policy.decode_scores(query, rows, heads)
-        candidates = select_heavy(scores, window[:, None], count)
+        candidates = select_heavy(scores, selectable[:, None], count)
         chosen = top_candidates(scores.gather(-1, candidates.clamp(min=0)), candidates, candidates >= 0, heavy)
     if refine_sources:
         chosen = refine(query, candidates, window, heavy, rows, heads)

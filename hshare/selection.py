@@ -118,10 +118,14 @@ class RowWindows:
         sink: ``[B, sink]`` columns of the first valid tokens (``NO_TOKEN`` if missing).
         local: ``[B, local]`` columns of the last valid tokens.
         dense: ``[B, budget]`` the first `budget` valid columns (all of a short row's tokens).
-        middle: ``[B, n]`` bool, the window ``[sink, n_valid - local)`` in valid-token ranks.
+        middle_bounds: ``[B, 2]`` int64, the middle window ``[sink, n_valid - local)`` in valid-token ranks as
+            column bounds ``[start, end)`` (its first column, the column after its last; an empty window:
+            end <= start): the window of a heavy column or candidate, valid columns, which lie in the window
+            where they lie in its bounds (`kernels.in_window`). `middle` is its ``[B, n]`` mask.
         selectable: ``[B, n]`` bool, where a selection step picks heavy tokens: the middle window
             extended by ``lookahead`` ranks into the local window (the tokens that leave the local
             window before the next selection), so a query group's reuse steps still attend them.
+        selectable_bounds: ``[B, 2]`` int64, its column bounds (a selection step's refinements take them).
         all_short: every row is short (host bool: the step's one device sync, not one per layer;
             always False for a static-shape step, which never reads the device).
     """
@@ -132,8 +136,9 @@ class RowWindows:
     sink: torch.Tensor
     local: torch.Tensor
     dense: torch.Tensor
-    middle: torch.Tensor
+    middle_bounds: torch.Tensor
     selectable: torch.Tensor
+    selectable_bounds: torch.Tensor
     all_short: bool
 
     @classmethod
@@ -145,17 +150,20 @@ class RowWindows:
         device = valid.device
         counts = valid_counts(valid)  # one prefix sum serves the ranks and every window's columns
         n_valid = counts[:, -1]
-        rank = counts - 1
-        middle = valid & (rank >= sink) & (rank < (n_valid[:, None] - local))
-        selectable = middle
-        if lookahead > 0:
-            selectable = valid & (rank >= sink) & (rank < (n_valid[:, None] - local + min(lookahead, local - 1)))
+        ahead = min(lookahead, local - 1) if lookahead > 0 else 0
         sink_ranks = torch.arange(sink, device=device).expand(valid.shape[0], sink)
         local_ranks = n_valid[:, None] - local + torch.arange(local, device=device)[None, :]
         # a row shorter than sink + local: its local window must not repeat sink columns
         local_ranks = torch.where(local_ranks >= sink, local_ranks, torch.full_like(local_ranks, -1))
         dense_ranks = torch.arange(budget, device=device).expand(valid.shape[0], budget)
-        columns = nth_valid_columns(valid, torch.cat((sink_ranks, local_ranks, dense_ranks), -1), counts)
+        # the windows' bounds: the ranks of their first column and of the column after their last
+        bound_ranks = torch.stack((torch.full_like(n_valid, sink), n_valid - local, n_valid - local + ahead), -1)
+        columns = nth_valid_columns(valid, torch.cat((sink_ranks, local_ranks, dense_ranks, bound_ranks), -1),
+                                    counts)
+        bounds = _window_bounds(columns[:, -3:], bound_ranks, n_valid, valid.shape[1])
+        middle_bounds = bounds[:, :2].contiguous()  # a row's two bounds adjacent, rows adjacent (the kernels' layout)
+        selectable_bounds = middle_bounds if ahead == 0 else bounds[:, ::2].contiguous()
+        selectable = _bounds_mask(valid, selectable_bounds)
         short = n_valid <= budget
         return cls(
             valid=valid,
@@ -163,11 +171,17 @@ class RowWindows:
             short=short,
             sink=columns[:, :sink],
             local=columns[:, sink:sink + local],
-            dense=columns[:, sink + local:],
-            middle=middle,
+            dense=columns[:, sink + local:sink + local + budget],
+            middle_bounds=middle_bounds,
             selectable=selectable,
+            selectable_bounds=selectable_bounds,
             all_short=bool(short.all()) if sync else False,
         )
+
+    @property
+    def middle(self) -> torch.Tensor:
+        """``[B, n]`` bool, the middle window's mask (its valid columns within `middle_bounds`)."""
+        return _bounds_mask(self.valid, self.middle_bounds)
 
     def critical_indices(self, heavy: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         """Union of sink, heavy and local columns per selection head (`kernels.critical_indices`).
@@ -186,7 +200,22 @@ class RowWindows:
     def critical_windows(self, count: torch.Tensor | None = None) -> CriticalWindows:
         """The windows `critical_indices` takes (with the work counter `count`), for a refinement that writes the
         critical indices of its heavy columns itself (`SelectionPolicy.candidate_heavy`'s `critical`)."""
-        return CriticalWindows(self.sink, self.local, self.dense, self.middle, self.short, count)
+        return CriticalWindows(self.sink, self.local, self.dense, self.middle_bounds, self.short, count)
+
+
+def _window_bounds(columns: torch.Tensor, ranks: torch.Tensor, n_valid: torch.Tensor, n: int) -> torch.Tensor:
+    """``[B, k]`` column bounds of windows given in valid-token ranks: the column of each rank in `ranks` ``[B, k]``
+    (`columns`, ``NO_TOKEN`` where the row has no such token), `n` past the last valid token, 0 before the first.
+    A valid column c then has rank >= r where c >= the bound of r: a rank window ``[r0, r1)`` is the valid columns of
+    ``[bound(r0), bound(r1))``."""
+    past = torch.full_like(columns, n)
+    return torch.where(ranks >= n_valid[:, None], past, torch.where(ranks < 0, torch.zeros_like(columns), columns))
+
+
+def _bounds_mask(valid: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """``[B, n]`` bool: the valid columns of each row within its bounds ``[B, 2]``."""
+    column = torch.arange(valid.shape[1], device=valid.device)
+    return valid & (column >= bounds[:, :1]) & (column < bounds[:, 1:])
 
 
 def prefill_middle_windows(valid_rows: torch.Tensor, sink: int, local: int) -> torch.Tensor:

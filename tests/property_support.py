@@ -480,8 +480,14 @@ class SelectionSpy:
         from hshare.kernels import CriticalWindows
 
         original_critical_windows = RowWindows.critical_windows
+        original_build = RowWindows.build.__func__
         original_select = policy.select_heavy
         spy = self
+
+        def build(cls, valid, *args, **kwargs):
+            """The step's windows, whose key validity the refinements' window masks are made of."""
+            spy.valid = valid
+            return original_build(cls, valid, *args, **kwargs)
 
         def critical_windows(windows, count=None):
             """The step's critical windows, whose indices (built apart or by a refinement) are checked against the
@@ -528,8 +534,16 @@ class SelectionSpy:
                     index = heads.expand(candidates.shape[0], -1)[..., None]
                     candidates = candidates.gather(1, index.expand(-1, -1, candidates.shape[-1]))
                     chosen = result.gather(1, index.expand(-1, -1, result.shape[-1]))
+                # the window's mask: the step's valid columns within the window's bounds; a candidate is a valid
+                # column (a selection picked it), so it is allowed where it lies in that mask
+                valid = (spy.valid if rows is None else spy.valid[rows]).cpu()
+                n = valid.shape[-1]
+                column = torch.arange(n)
+                window = valid & (column >= window[:, :1].cpu()) & (column < window[:, 1:].cpu())
+                given = candidates.cpu()
+                assert bool(valid[:, None].expand(-1, given.shape[1], -1).gather(-1, given.clamp(min=0))[given >= 0]
+                            .all()), "a candidate is no valid column"
                 # the candidates' own scores laid on their columns (column n: where a slot holds no candidate)
-                n = window.shape[-1]
                 slots = torch.where(candidates >= 0, candidates, torch.full_like(candidates, n))
                 scores = self.candidate_scores(query, candidates, rows, heads).cpu().double()
                 laid = torch.full((*candidates.shape[:2], n + 1), float("-inf"), dtype=torch.float64)
@@ -580,6 +594,7 @@ class SelectionSpy:
         self._stack.enter_context(mock.patch.object(policy, "with_successors", walk))
         self._stack.enter_context(mock.patch.object(labels, "decode_label_topk_walk", selection_walk))
         self._stack.enter_context(mock.patch.object(RowWindows, "critical_windows", critical_windows))
+        self._stack.enter_context(mock.patch.object(RowWindows, "build", classmethod(build)))
         self._stack.enter_context(mock.patch.object(policy, "select_heavy", select))
         self._stack.enter_context(mock.patch.object(refine, "select_heavy", select))  # candidates, refinements
         for cls in {policy.SelectionPolicy, *(policy.policy_class(name) for name in policy.policy_names())}:

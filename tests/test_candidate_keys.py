@@ -8,24 +8,25 @@ import torch
 
 from hshare.kernels import NO_TOKEN, candidate_key_topk, candidate_key_topk_torch
 
-from test_label_topk import DEVICE, check_candidates, triton_or_skip
+from test_label_topk import DEVICE, check_candidates, triton_or_skip, valid_candidates, window_case
 
 pytestmark = pytest.mark.kernels  # no transformers model in them (pyproject.toml's markers)
 
 
 def key_case(dtype=torch.float32, group=2, dim=16, n=120, width=40, seed=3):
     """Keys ``[3, 2, n, dim]``, a decode query of `group` query heads a KV head, rows and heads by index, candidate
-    lists with no-candidate entries, one of 25 candidates and one of 5, and a mask."""
+    lists of valid columns with no-candidate entries, one of 25 candidates and one of 5, and the rows' windows as a
+    mask and as bounds (`test_label_topk.window_case`)."""
     generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(3, 2, n, dim, generator=generator).to(DEVICE, dtype)
     query = torch.randn(3, 2 * group, dim, generator=generator).to(DEVICE, dtype)
     rows = torch.tensor([2, 0, 1], device=DEVICE)
     heads = torch.tensor([[1, 0], [0, 0], [1, 1]], device=DEVICE)
-    candidates = torch.stack([torch.randperm(n, generator=generator)[:width] for _ in range(6)]).reshape(3, 2, width)
+    valid, window, selectable = window_case(3, n, generator)
+    candidates = valid_candidates(valid, 2, width, generator)
     candidates[0, 1, 25:] = NO_TOKEN
     candidates[2, 0, :width - 5] = NO_TOKEN
-    selectable = torch.rand(3, n, generator=generator) < 0.8
-    return query, keys, rows, heads, candidates.to(DEVICE), selectable.to(DEVICE)
+    return query, keys, rows, heads, candidates.to(DEVICE), selectable.to(DEVICE), window.to(DEVICE)
 
 
 def exact_scores(query, keys, rows, heads, candidates):
@@ -44,10 +45,10 @@ def allowed_of(candidates, selectable, rows):
 
 @pytest.mark.parametrize("group,dim", [(1, 16), (2, 16), (3, 32)])
 def test_twin_is_the_exact_top_k(group, dim):
-    query, keys, rows, heads, candidates, selectable = key_case(group=group, dim=dim)
-    for heavy, mask in ((12, selectable), (40, None), (3, selectable)):
-        got = candidate_key_topk_torch(query, keys, heavy, candidates, mask, rows, heads)
-        allowed = allowed_of(candidates, torch.ones_like(selectable) if mask is None else mask, rows)
+    query, keys, rows, heads, candidates, selectable, window = key_case(group=group, dim=dim)
+    for heavy, bounds in ((12, window), (40, None), (3, window)):
+        got = candidate_key_topk_torch(query, keys, heavy, candidates, bounds, rows, heads)
+        allowed = allowed_of(candidates, torch.ones_like(selectable) if bounds is None else selectable, rows)
         check_candidates(got, candidates, exact_scores(query, keys, rows, heads, candidates), allowed, heavy, 1e-5)
     assert int((got[2, 0] != NO_TOKEN).sum()) == min(3, int(allowed_of(candidates, selectable, rows)[2, 0].sum()))
 
@@ -59,12 +60,12 @@ def test_triton_matches_the_twin(dtype, group, dim, width):
     triton_or_skip()
     from hshare.kernels.candidate_keys_triton import candidate_key_topk_triton
 
-    query, keys, rows, heads, candidates, selectable = key_case(dtype, group, dim, n=1000, width=width)
+    query, keys, rows, heads, candidates, selectable, window = key_case(dtype, group, dim, n=1000, width=width)
     scores = exact_scores(query.float(), keys.float(), rows, heads, candidates)
-    for heavy, mask in ((12, selectable), (width, None), (200, selectable)):
-        got = candidate_key_topk_triton(query, keys, heavy, candidates, mask, rows, heads)
-        want = candidate_key_topk_torch(query, keys, heavy, candidates, mask, rows, heads)
-        allowed = allowed_of(candidates, torch.ones_like(selectable) if mask is None else mask, rows)
+    for heavy, bounds in ((12, window), (width, None), (200, window)):
+        got = candidate_key_topk_triton(query, keys, heavy, candidates, bounds, rows, heads)
+        want = candidate_key_topk_torch(query, keys, heavy, candidates, bounds, rows, heads)
+        allowed = allowed_of(candidates, torch.ones_like(selectable) if bounds is None else selectable, rows)
         check_candidates(got, candidates, scores, allowed, heavy, 1e-2)
         if DEVICE == "cpu":  # the interpreter's fp32 scores: the twin's very set
             assert torch.equal(got.sort(-1).values, want.sort(-1).values)
@@ -78,7 +79,7 @@ def test_ties_non_finite_and_every_row_and_head(monkeypatch, kernels):
     if kernels == "triton":
         triton_or_skip()
     monkeypatch.setenv("HSHARE_KERNELS", kernels)
-    query, keys, _, _, candidates, _ = key_case(torch.bfloat16)
+    query, keys, _, _, candidates, _, _ = key_case(torch.bfloat16)
     keys = keys.clone()
     keys[0, 0] = keys[0, 0, :1]  # every column of (row 0, head 0) the same key: all tied
     keys[1, 1, candidates[1, 1, :4].clamp(min=0)] = float("inf")  # (row 1, head 1): its first four never chosen
@@ -95,14 +96,14 @@ def test_some_heads_refine_in_place(monkeypatch, kernels):
     if kernels == "triton":
         triton_or_skip()
     monkeypatch.setenv("HSHARE_KERNELS", kernels)
-    query, keys, rows, _, candidates, selectable = key_case(torch.bfloat16)
+    query, keys, rows, _, candidates, _, window = key_case(torch.bfloat16)
     some = torch.tensor([[1], [0], [1]], device=DEVICE)
     out = torch.full((3, 2, 7), 99, dtype=torch.long, device=DEVICE)
-    assert candidate_key_topk(query, keys, 7, candidates, selectable, rows, some, out=out) is out
+    assert candidate_key_topk(query, keys, 7, candidates, window, rows, some, out=out) is out
     own = candidates.gather(1, some[..., None].expand(-1, -1, candidates.shape[-1]))
-    want = candidate_key_topk_torch(query, keys, 7, own, selectable, rows, some)
+    want = candidate_key_topk_torch(query, keys, 7, own, window, rows, some)
     mine = some[..., None].expand(-1, -1, 7)
     assert torch.equal(out.gather(1, mine).sort(-1).values, want.sort(-1).values)
     assert bool((out.gather(1, 1 - mine) == 99).all())
     with pytest.raises(ValueError, match="heads"):
-        candidate_key_topk(query, keys, 7, candidates, selectable, rows, out=out)
+        candidate_key_topk(query, keys, 7, candidates, window, rows, out=out)

@@ -30,7 +30,13 @@ def windows_of(n: int, heavy: int, lookahead: int, generator: torch.Generator) -
     start = int(torch.randint(10, n - 30, (), generator=generator))
     valid[2, start:start + 12] = False
     windows = RowWindows.build(valid.to(DEVICE), SINK, LOCAL, SINK + heavy + LOCAL, lookahead=lookahead)
-    return windows, windows.selectable
+    return windows, windows.selectable_bounds
+
+
+def valid_only(candidates: torch.Tensor, windows: RowWindows) -> torch.Tensor:
+    """The candidates ``[3, H, C]`` that are valid columns of their row (a selection's are), NO_TOKEN elsewhere."""
+    valid = windows.valid[:, None].expand(-1, candidates.shape[1], -1).gather(-1, candidates.clamp(min=0))
+    return torch.where(valid & (candidates >= 0), candidates, NO_TOKEN)
 
 
 def refine_both_ways(refine, windows: RowWindows, heavy: int, **options):
@@ -50,9 +56,12 @@ def check(plain, columns, indices, counted, windows):
     """The columns are the refinement's own; the indices exactly the twin's critical indices of them, the counter
     advanced by their valid entries."""
     assert torch.equal(columns, plain)
-    want = critical_indices_torch(columns.cpu(), *(t.cpu() for t in (windows.sink, windows.local, windows.dense,
-                                                                      windows.middle, windows.short)))
+    operands = [t.cpu() for t in (windows.sink, windows.local, windows.dense, windows.middle_bounds, windows.short)]
+    want = critical_indices_torch(columns.cpu(), *operands)
     assert torch.equal(indices.cpu().long(), want)
+    # the reference: the columns in the middle window's mask (valid columns: as in its bounds)
+    middle = windows.middle.cpu()[:, None].expand(-1, columns.shape[1], -1).gather(-1, columns.cpu().clamp(min=0))
+    assert torch.equal(want, critical_indices_torch(torch.where(middle, columns.cpu(), NO_TOKEN), *operands))
     assert counted == int((want >= 0).sum())
     assert bool((want[1] == windows.dense[1].cpu()[None]).all())  # the short row: all its tokens, every head
     return want
@@ -66,8 +75,9 @@ def test_label_refinement_writes_the_critical_indices(monkeypatch, kernels, look
         triton_or_skip()
     monkeypatch.setenv("HSHARE_KERNELS", kernels)
     generator = torch.Generator().manual_seed(int(torch.randint(0, 2**16, ())))
-    query, channels, codes, scale, zero, _, _, candidates, _ = candidate_case(4, torch.bfloat16)
+    query, channels, codes, scale, zero, _, _, candidates, _, _ = candidate_case(4, torch.bfloat16)
     windows, window = windows_of(codes.shape[2], heavy, lookahead, generator)
+    candidates = valid_only(candidates, windows)
 
     def refine(**options):
         if kernels == "triton" and score_tile is not None:  # the scoring in a launch of its own, or not
@@ -94,9 +104,10 @@ def test_key_refinement_writes_the_critical_indices(monkeypatch, kernels):
         triton_or_skip()
     monkeypatch.setenv("HSHARE_KERNELS", kernels)
     generator = torch.Generator().manual_seed(int(torch.randint(0, 2**16, ())))
-    query, keys, _, _, candidates, _ = key_case(torch.bfloat16, seed=int(torch.randint(0, 2**16, ())))
+    query, keys, _, _, candidates, _, _ = key_case(torch.bfloat16, seed=int(torch.randint(0, 2**16, ())))
     heavy = 9
     windows, window = windows_of(keys.shape[2], heavy, 2, generator)
+    candidates = valid_only(candidates, windows)
     check(*refine_both_ways(lambda **options: candidate_key_topk(query, keys, heavy, candidates, window, **options),
                             windows, heavy), windows)
 
@@ -108,7 +119,7 @@ def test_critical_indices_refused_for_some_rows_or_heads(monkeypatch, kernels):
     if kernels == "triton":
         triton_or_skip()
     monkeypatch.setenv("HSHARE_KERNELS", kernels)
-    query, channels, codes, scale, zero, rows, _, candidates, _ = candidate_case(4, torch.bfloat16)
+    query, channels, codes, scale, zero, rows, _, candidates, _, _ = candidate_case(4, torch.bfloat16)
     windows, window = windows_of(codes.shape[2], 7, 0, torch.Generator().manual_seed(0))
     critical = windows.critical_windows()
     with pytest.raises(ValueError, match="every row and every selection head"):

@@ -378,13 +378,15 @@ def test_critical_indices_triton_matches_twin(sink, local, heavy):
     valid[1, :37] = False  # a short row (3 tokens)
     valid[2, 10:14] = False  # a hole (a user's mask)
     windows = RowWindows.build(valid, sink, local, sink + local + heavy)
-    picks = torch.randint(-1, n, (batch, heads, heavy), device=DEVICE)  # stale, padded and fresh columns
+    # stale, padded and fresh columns: a selection's, valid when chosen (never the hole), or -1
+    picks = torch.randint(-1, n, (batch, heads, heavy), device=DEVICE)
+    picks[2] = torch.where((picks[2] >= 10) & (picks[2] < 14), -1, picks[2])
     start = int(torch.randint(0, 1000, ()))
     counts = [torch.tensor([start], dtype=torch.int64, device=DEVICE) for _ in range(2)]
-    got = critical_indices_triton(picks, windows.sink, windows.local, windows.dense, windows.middle, windows.short,
-                                  counts[0])
-    want = critical_indices_torch(picks, windows.sink, windows.local, windows.dense, windows.middle, windows.short,
-                                  counts[1])
+    got = critical_indices_triton(picks, windows.sink, windows.local, windows.dense, windows.middle_bounds,
+                                  windows.short, counts[0])
+    want = critical_indices_torch(picks, windows.sink, windows.local, windows.dense, windows.middle_bounds,
+                                  windows.short, counts[1])
     assert got.dtype == torch.int32 and torch.equal(got.long(), want)
     valid_entries = start + int((want >= 0).sum())  # the work counter: every valid index, added once
     assert int(counts[0]) == valid_entries and int(counts[1]) == valid_entries

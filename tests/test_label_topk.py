@@ -428,18 +428,39 @@ def test_split_scoring_by_hand():
     assert not split_scoring(67, 132) and not split_scoring(256, 132)
     assert split_scoring(16, 132, walk=True) and split_scoring(8, 132, walk=True)
     assert not split_scoring(17, 132, walk=True) and not split_scoring(32, 132, walk=True)
-    query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(4, torch.bfloat16)
+    query, channels, codes, scale, zero, rows, heads, candidates, _, window = candidate_case(4, torch.bfloat16)
     with pytest.raises(ValueError, match="score_tile 24"):
-        candidate_label_topk_triton(query, channels, codes, scale, zero, 4, 7, candidates, rows, heads, selectable,
+        candidate_label_topk_triton(query, channels, codes, scale, zero, 4, 7, candidates, rows, heads, window,
                                     score_tile=24)
 
 
 # --- candidate-set refinement: the top heavy of given candidate columns ----------------------------
 
 
+def window_case(count, n, generator):
+    """Row windows as a selection sees them: valid columns with holes (padding), column bounds ``[A, 2]`` and the
+    window's mask ``[A, n]`` (the valid columns within the bounds: the reference a refinement is checked against),
+    from `generator`. A row's bounds may start before its first valid column or end past its last."""
+    valid = torch.rand(count, n, generator=generator) < 0.85
+    start = torch.randint(0, n // 6, (count,), generator=generator)
+    end = torch.randint(n - n // 3, n + 1, (count,), generator=generator)
+    window = torch.stack((start, end), -1)
+    column = torch.arange(n)
+    selectable = valid & (column >= start[:, None]) & (column < end[:, None])
+    return valid, window, selectable
+
+
+def valid_candidates(valid, heads, width, generator):
+    """``[A, heads, width]`` candidate lists: distinct valid columns of each row (a selection's), in random order."""
+    lists = [row.nonzero().flatten()[torch.randperm(int(row.sum()), generator=generator)[:width]]
+             for row in valid for _ in range(heads)]
+    return torch.stack(lists).reshape(valid.shape[0], heads, width)
+
+
 def candidate_case(bits, dtype=torch.float32, seed=5, r=8):
     """A label cache of `r` channels, a GQA decode query with per-row channels, chosen rows / heads, candidate
-    lists with repeats of no candidate (NO_TOKEN), a column outside the mask, and a short list."""
+    lists of valid columns with repeats of no candidate (NO_TOKEN), columns outside the window, and a short list;
+    the rows' windows as bounds `window` ``[3, 2]`` and as the mask `selectable` ``[3, n]`` (`window_case`)."""
     generator = torch.Generator().manual_seed(seed)
     batch, sel_heads, q_heads, n, dim = 3, 2, 4, 120, max(16, 2 * r)
     codes, scale, zero = label_cache(batch, sel_heads, n, r, bits, dtype, seed=seed)
@@ -448,11 +469,12 @@ def candidate_case(bits, dtype=torch.float32, seed=5, r=8):
     channels = channels.reshape(batch, sel_heads, r).to(DEVICE)
     rows = torch.tensor([2, 0, 1], device=DEVICE)
     heads = torch.tensor([[1, 0], [0, 0], [1, 1]], device=DEVICE)
-    candidates = torch.stack([torch.randperm(n, generator=generator)[:40] for _ in range(6)]).reshape(3, 2, 40)
+    valid, window, selectable = window_case(3, n, generator)
+    candidates = valid_candidates(valid, 2, 40, generator)
     candidates[0, 1, 25:] = NO_TOKEN  # 25 candidates
     candidates[2, 0, :35] = NO_TOKEN  # 5 candidates: fewer than heavy
-    selectable = torch.rand(3, n, generator=generator) < 0.8
-    return query, channels, codes, scale, zero, rows, heads, candidates.to(DEVICE), selectable.to(DEVICE)
+    return (query, channels, codes, scale, zero, rows, heads, candidates.to(DEVICE), selectable.to(DEVICE),
+            window.to(DEVICE))
 
 
 def check_candidates(got, candidates, scores, allowed, heavy, tol):
@@ -476,9 +498,9 @@ def check_candidates(got, candidates, scores, allowed, heavy, tol):
 
 @pytest.mark.parametrize("bits", [4, 8, 16])
 def test_candidate_twin_matches_brute_force(bits):
-    query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(bits)
+    query, channels, codes, scale, zero, rows, heads, candidates, selectable, window = candidate_case(bits)
     heavy = 12
-    got = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, selectable,
+    got = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, window,
                                      rows, heads)
     labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
     scores = brute_force_scores(labels, codes, scale, zero, bits, rows, heads).gather(-1, candidates.clamp(min=0))
@@ -501,20 +523,21 @@ def test_candidate_triton_matches_twin(bits, dtype, r):
     triton_or_skip()
     from hshare.kernels.label_topk_triton import candidate_label_topk_triton
 
-    query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(bits, dtype, r=r)
+    query, channels, codes, scale, zero, rows, heads, candidates, selectable, window = candidate_case(bits, dtype,
+                                                                                                      r=r)
     # a cap (CUDA only) and the scoring in a launch of its own: tiles of 16 and 32 of the 40 candidates (a partial
     # last tile; 0: scored in the top-k's program)
-    for heavy, mask, cap, score_tile in ((12, selectable, None, 0), (30, None, 0, 16), (64, selectable, 128, 32),
-                                         (12, selectable, None, 16)):
+    for heavy, bounds, cap, score_tile in ((12, window, None, 0), (30, None, 0, 16), (64, window, 128, 32),
+                                           (12, window, None, 16)):
         got = candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads,
-                                          mask, tile=16, max_registers=cap, score_tile=score_tile)
-        want = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, mask,
+                                          bounds, tile=16, max_registers=cap, score_tile=score_tile)
+        want = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, bounds,
                                           rows, heads)
         labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
         scores = brute_force_scores(labels, codes, scale, zero, bits, rows, heads).gather(-1, candidates.clamp(min=0))
         allowed = candidates >= 0
-        if mask is not None:
-            allowed &= mask[:, None].expand(-1, 2, -1).gather(-1, candidates.clamp(min=0))
+        if bounds is not None:  # the window's mask: the reference
+            allowed &= selectable[:, None].expand(-1, 2, -1).gather(-1, candidates.clamp(min=0))
         check_candidates(got, candidates, scores, allowed, heavy, tol=1e-3)
         if DEVICE == "cpu":  # the interpreter's scores: the twin's very set
             assert torch.equal(got.sort(-1).values, want.sort(-1).values)
@@ -528,14 +551,14 @@ def test_kernels_take_every_row_and_head_without_index_tensors(monkeypatch):
     from hshare.kernels.label_topk import candidate_label_walk, candidate_label_walk_torch
 
     monkeypatch.setenv("HSHARE_KERNELS", "triton")
-    query, channels, codes, scale, zero, _, _, candidates, selectable = walk_case(4, torch.bfloat16)
+    query, channels, codes, scale, zero, _, _, candidates, selectable, window = walk_case(4, torch.bfloat16)
     rows = torch.arange(3, device=DEVICE)
     heads = torch.arange(2, device=DEVICE)[None]
     got = decode_label_topk(query, channels, codes, scale, zero, 4, 9, None, selectable)
     assert torch.equal(got, decode_label_topk_torch(query, channels, codes, scale, zero, 4, 9, None, selectable,
                                                     rows, heads))
-    got = candidate_label_topk(query, channels, codes, scale, zero, 4, 7, candidates, selectable)
-    want = candidate_label_topk_torch(query, channels, codes, scale, zero, 4, 7, candidates, selectable, rows, heads)
+    got = candidate_label_topk(query, channels, codes, scale, zero, 4, 7, candidates, window)
+    want = candidate_label_topk_torch(query, channels, codes, scale, zero, 4, 7, candidates, window, rows, heads)
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)
     got = candidate_label_walk(query, channels, codes, scale, zero, 4, candidates, selectable, top=6)
     want = candidate_label_walk_torch(query, channels, codes, scale, zero, 4, candidates, selectable, rows, heads, 6)
@@ -550,24 +573,24 @@ def test_candidate_topk_refines_some_heads_in_place(monkeypatch, kernels):
     if kernels == "triton":
         triton_or_skip()
     monkeypatch.setenv("HSHARE_KERNELS", kernels)
-    query, channels, codes, scale, zero, rows, _, candidates, selectable = candidate_case(4, torch.bfloat16)
+    query, channels, codes, scale, zero, rows, _, candidates, _, window = candidate_case(4, torch.bfloat16)
     some = torch.tensor([[1], [0], [1]], device=DEVICE)  # per row: one head of two refines
     out = torch.full((3, 2, 7), 99, dtype=torch.long, device=DEVICE)
-    got = candidate_label_topk(query, channels, codes, scale, zero, 4, 7, candidates, selectable, rows, some, out=out)
+    got = candidate_label_topk(query, channels, codes, scale, zero, 4, 7, candidates, window, rows, some, out=out)
     assert got is out
     own = candidates.gather(1, some[..., None].expand(-1, -1, candidates.shape[-1]))
-    want = candidate_label_topk_torch(query, channels, codes, scale, zero, 4, 7, own, selectable, rows, some)
+    want = candidate_label_topk_torch(query, channels, codes, scale, zero, 4, 7, own, window, rows, some)
     mine = some[..., None].expand(-1, -1, 7)
     assert torch.equal(got.gather(1, mine).sort(-1).values, want.sort(-1).values)
     assert bool((got.gather(1, 1 - mine) == 99).all())
     if kernels == "triton":  # scored in a launch of its own: the same entries
         from hshare.kernels.label_topk_triton import candidate_label_topk_triton
         split = torch.full_like(out, 99)
-        candidate_label_topk_triton(query, channels, codes, scale, zero, 4, 7, candidates, rows, some, selectable,
+        candidate_label_topk_triton(query, channels, codes, scale, zero, 4, 7, candidates, rows, some, window,
                                     out=split, score_tile=16)
         assert torch.equal(split, got)
     with pytest.raises(ValueError, match="heads"):
-        candidate_label_topk(query, channels, codes, scale, zero, 4, 7, candidates, selectable, rows, out=out)
+        candidate_label_topk(query, channels, codes, scale, zero, 4, 7, candidates, window, rows, out=out)
 
 
 # --- successors: a selection's top columns walked with their successors ----------------------------
@@ -576,7 +599,8 @@ def test_candidate_topk_refines_some_heads_in_place(monkeypatch, kernels):
 def walk_case(bits, dtype=torch.float32):
     """`candidate_case` with every candidate list inside the window (a selection's top columns are) and runs of
     adjacent columns, so that successors are taken, given and refused."""
-    query, channels, codes, scale, zero, rows, heads, candidates, selectable = candidate_case(bits, dtype, seed=7)
+    query, channels, codes, scale, zero, rows, heads, candidates, selectable, window = candidate_case(bits, dtype,
+                                                                                                      seed=7)
     selectable = selectable.clone()
     candidates = candidates.clone()
     candidates[1, 0, :6] = torch.arange(30, 36, device=DEVICE)  # a run
@@ -588,7 +612,7 @@ def walk_case(bits, dtype=torch.float32):
     candidates = torch.where(candidates >= 0, candidates, NO_TOKEN)
     inside = selectable[:, None].expand(-1, 2, -1).gather(-1, candidates.clamp(min=0))
     candidates = torch.where(inside, candidates, NO_TOKEN)
-    return query, channels, codes, scale, zero, rows, heads, candidates, selectable
+    return query, channels, codes, scale, zero, rows, heads, candidates, selectable, window
 
 
 @pytest.mark.parametrize("bits", [4, 8, 16])
@@ -597,7 +621,7 @@ def test_candidate_walk_twin_is_the_brute_force_walk(bits):
 
     from hshare.kernels.label_topk import candidate_label_walk_torch
 
-    query, channels, codes, scale, zero, rows, heads, candidates, selectable = walk_case(bits)
+    query, channels, codes, scale, zero, rows, heads, candidates, selectable, _ = walk_case(bits)
     got = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, candidates, selectable, rows, heads,
                                      top=5)
     labels = query_labels(query[:, :, None], channels)[:, :, 0][rows[:, None], heads]
@@ -614,7 +638,7 @@ def test_candidate_walk_triton_matches_twin(bits, dtype, ascending):
     from hshare.kernels.label_topk import candidate_label_walk_torch
     from hshare.kernels.label_topk_triton import candidate_label_walk_triton
 
-    query, channels, codes, scale, zero, rows, heads, candidates, selectable = walk_case(bits, dtype)
+    query, channels, codes, scale, zero, rows, heads, candidates, selectable, _ = walk_case(bits, dtype)
     if ascending:  # as the label top-k writes them: ascending, NO_TOKEN after (the kernel then sorts nothing)
         last = codes.shape[2]
         candidates = torch.where(candidates >= 0, candidates, last).sort(-1).values
@@ -652,6 +676,7 @@ def test_wide_candidate_sets_go_to_the_twin_with_a_warning(monkeypatch):
     query = torch.randn(1, 1, 16, generator=generator).to(DEVICE)
     channels = torch.randperm(16, generator=generator)[:8].view(1, 1, 8).to(DEVICE)
     selectable = torch.ones(1, n, dtype=torch.bool, device=DEVICE)
+    window = torch.tensor([[0, n]], device=DEVICE)  # the same window's bounds
     module = importlib.import_module("hshare.kernels.label_topk")
     monkeypatch.setattr(module, "use_triton", lambda tensor: True)  # as on CUDA
     launched = []
@@ -664,13 +689,13 @@ def test_wide_candidate_sets_go_to_the_twin_with_a_warning(monkeypatch):
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # 68 <= 128: the Triton top-k, no warning
-        module.candidate_label_topk(query, channels, codes, scale, zero, 8, 5, candidates, selectable)
+        module.candidate_label_topk(query, channels, codes, scale, zero, 8, 5, candidates, window)
     assert launched == [68]
     candidates = torch.randperm(n, generator=generator)[:132].view(1, 1, 132).to(DEVICE)
     with pytest.warns(RuntimeWarning, match="132 candidates .* exceed the 128 the Triton candidate top-k"):
-        got = module.candidate_label_topk(query, channels, codes, scale, zero, 8, 5, candidates, selectable)
+        got = module.candidate_label_topk(query, channels, codes, scale, zero, 8, 5, candidates, window)
     assert torch.equal(got, module.candidate_label_topk_torch(query, channels, codes, scale, zero, 8, 5, candidates,
-                                                              selectable))
+                                                              window))
     assert launched == [68]
 
 

@@ -81,12 +81,17 @@ def window_cases(draw):
     else:
         scores = torch.stack([torch.randperm(n, generator=generator) for _ in range(batch * heads)])
         scores = scores.reshape(batch, heads, n).double() / n
-    stale = draw(st.booleans())  # heavy columns from an earlier step: arbitrary columns, -1 padded
+    # heavy columns from an earlier step, -1 padded: a selection's, so valid then: valid columns now, or columns a
+    # sliding window has left since (before the row's first valid column); never a hole between valid columns
+    stale = draw(st.booleans())
     stale_heavy = torch.full((batch, heads, heavy), NO_TOKEN, dtype=torch.long)
     if stale and heavy:
         for b in range(batch):
+            first = int(valid[b].long().argmax()) if bool(valid[b].any()) else n
+            pool = (valid[b] | (torch.arange(n) < first)).nonzero().flatten()
             for h in range(heads):
-                picks = torch.randperm(n, generator=generator)[:draw(st.integers(0, min(heavy, n)))]
+                count = draw(st.integers(0, min(heavy, len(pool))))
+                picks = pool[torch.randperm(len(pool), generator=generator)[:count]]
                 slots = torch.randperm(heavy, generator=generator)[:len(picks)]
                 stale_heavy[b, h, slots] = picks
     return dict(valid=valid, heads=heads, sink=sink, local=local, heavy=heavy, lookahead=lookahead, ties=ties,
@@ -323,7 +328,7 @@ def test_triton_critical_indices_equal_twin(case):
 
     sink, local, heavy = case["sink"], case["local"], case["heavy"]
     windows = RowWindows.build(case["valid"], sink, local, sink + local + heavy)
-    args = (case["stale_heavy"], windows.sink, windows.local, windows.dense, windows.middle, windows.short)
+    args = (case["stale_heavy"], windows.sink, windows.local, windows.dense, windows.middle_bounds, windows.short)
     got = critical_indices_triton(*(t.to(DEVICE) for t in args)).cpu().long()
     assert torch.equal(got, critical_indices_torch(*args))
 
@@ -336,7 +341,8 @@ def test_triton_candidate_kernels_split_or_not_equal_twin(bits, r, group, rows, 
                                                            tied, seed):
     """The candidate top-k and walk give the same columns whether the candidates are scored in their program or
     in a launch of their own (any score tile, a partial last tile), and (interpreter: the twin's scores) the
-    twin's: random candidate lists with NO_TOKEN gaps, heavy from 0 to beyond the candidates, masks, tied labels."""
+    twin's: random candidate lists with NO_TOKEN gaps, heavy from 0 to beyond the candidates, windows (the top-k's
+    bounds, the walk's mask), tied labels."""
     pytest.importorskip("triton")
     from hshare.kernels import quantize_labels
     from hshare.kernels.label_topk import candidate_label_topk_torch, candidate_label_walk_torch
@@ -358,9 +364,11 @@ def test_triton_candidate_kernels_split_or_not_equal_twin(bits, r, group, rows, 
     selectable = selectable.to(DEVICE)
     heavy = max(0, width + extra) if extra > 0 else max(0, width // 2 + extra)
     candidates = candidates.to(DEVICE)
-    mask = selectable if masked else None
-    topk = [candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, None, None, mask,
-                                        score_tile=tile) for tile in (0, score_tile)]
+    bounds = torch.stack((torch.randint(0, n // 2 + 1, (rows,), generator=generator),
+                          torch.randint(n // 2, n + 1, (rows,), generator=generator)), -1)
+    window = bounds.to(DEVICE) if masked else None  # the top-k's window: column bounds
+    topk = [candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, None, None,
+                                        window, score_tile=tile) for tile in (0, score_tile)]
     assert torch.equal(topk[0], topk[1])
     # the walk takes the candidates in the window (a selection's top columns are)
     inside = selectable[:, None].expand(-1, sel, -1).gather(-1, candidates.clamp(min=0))
@@ -370,7 +378,7 @@ def test_triton_candidate_kernels_split_or_not_equal_twin(bits, r, group, rows, 
                                          selectable, top, score_tile=tile) for tile in (0, score_tile)]
     assert all(torch.equal(a, b) for a, b in zip(*walks))
     if DEVICE == "cpu":  # the interpreter scores as the twin does
-        want = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, mask)
+        want = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, window)
         assert torch.equal(topk[0].sort(-1).values, want.sort(-1).values)
         want = candidate_label_walk_torch(query, channels, codes, scale, zero, bits, walk_candidates, selectable,
                                           top=top)

@@ -17,6 +17,7 @@ from hshare.selection import NO_TOKEN
 
 from conftest import cache_kwarg, greedy, left_pad, left_padded, tiny_llama
 from property_support import check_successor_walk
+from test_label_topk import valid_candidates, window_case
 
 SMALL = dict(sink=2, local=4, heavy=6)  # N_c = 12
 LENGTHS = [40, 27, 51]
@@ -87,9 +88,11 @@ def test_select_candidates_is_the_top_c_and_its_top_heavy(scoring):
     policy = TablePolicy(torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(3)), scoring)
     window = torch.zeros(2, 40, dtype=torch.bool)
     window[0, 5:30], window[1, 2:9] = True, True  # row 1: fewer selectable columns than C
+    bounds = torch.tensor([[5, 30], [2, 9]])
     for rows, heads in ((None, None), (torch.tensor([1, 0]), torch.tensor([[2, 0]]))):
         picked = window if rows is None else window[rows]
-        heavy, candidates = select_candidates(policy, None, picked, 10, 4, rows, heads)
+        heavy, candidates = select_candidates(policy, None, picked, bounds if rows is None else bounds[rows], 10, 4,
+                                              rows, heads)
         table = policy._table(rows, heads)
         for b in range(table.shape[0]):
             for h in range(table.shape[1]):
@@ -155,7 +158,8 @@ def test_select_candidates_with_successors(scoring, count):
     window = torch.zeros(2, 40, dtype=torch.bool)
     window[0, 5:30], window[1, 2:9] = True, True
     window[0, 17] = False  # a hole: no successor there
-    heavy, candidates = select_candidates(policy, None, window, count, 4, successors=True)
+    heavy, candidates = select_candidates(policy, None, window, torch.tensor([[5, 30], [2, 9]]), count, 4,
+                                          successors=True)
     for b in range(2):
         for h in range(3):
             allowed = window[b].nonzero().flatten()
@@ -167,10 +171,10 @@ def test_select_candidates_with_successors(scoring, count):
 def test_refinement_is_the_brute_force_top_k_within_the_candidates():
     generator = torch.Generator().manual_seed(5)
     policy = TablePolicy(torch.randn(3, 2, 50, generator=generator), "candidates")
-    candidates = torch.stack([torch.randperm(50, generator=generator)[:12] for _ in range(6)]).reshape(3, 2, 12)
+    valid, bounds, window = window_case(3, 50, generator)  # the window as bounds, and its mask (the reference)
+    candidates = valid_candidates(valid, 2, 12, generator)
     candidates[2, 1, 9:] = NO_TOKEN
-    window = torch.rand(3, 50, generator=generator) > 0.3
-    refined = policy.candidate_heavy(None, candidates, window, 5)
+    refined = policy.candidate_heavy(None, candidates, bounds, 5)
     for b in range(3):
         for h in range(2):
             inside = [int(c) for c in candidates[b, h] if c >= 0 and window[b, c]]
@@ -178,7 +182,7 @@ def test_refinement_is_the_brute_force_top_k_within_the_candidates():
             assert _as_set(refined[b, h]) == set(ranked[:5])
             assert (refined[b, h] >= 0).sum() == min(5, len(inside))
     rows, heads = torch.tensor([1, 2]), torch.tensor([[1]])
-    refined = policy.candidate_heavy(None, candidates[rows][:, 1:], window[rows], 5, rows=rows, heads=heads)
+    refined = policy.candidate_heavy(None, candidates[rows][:, 1:], bounds[rows], 5, rows=rows, heads=heads)
     for i, b in enumerate(rows.tolist()):
         inside = [int(c) for c in candidates[b, 1] if c >= 0 and window[b, c]]
         ranked = sorted(inside, key=lambda c: -float(policy.table[b, 1, c]))
@@ -206,9 +210,9 @@ def test_refine_by_keys_is_the_exact_top_k_within_the_candidates(monkeypatch, ke
     dtype = torch.float32 if kernels == "torch" else torch.bfloat16
     keys = torch.randn(3, 2, 40, 16, generator=generator).to(dtype)  # [B, Hkv, n, d]
     query = torch.randn(3, 4, 16, generator=generator).to(dtype)  # GQA: 2 query heads a KV head
-    candidates = torch.stack([torch.randperm(40, generator=generator)[:14] for _ in range(6)]).reshape(3, 2, 14)
+    valid, bounds, window = window_case(3, 40, generator)
+    candidates = valid_candidates(valid, 2, 14, generator)
     candidates[1, 0, 10:] = NO_TOKEN
-    window = torch.rand(3, 40, generator=generator) > 0.25
     logits = _exact_logits(query.float(), keys.float())
     on_device = refine_by_keys(keys.to(DEVICE))
 
@@ -224,19 +228,19 @@ def test_refine_by_keys_is_the_exact_top_k_within_the_candidates(monkeypatch, ke
         inside = [int(c) for c in candidates[b, h] if c >= 0 and window[b, c]]
         return set(sorted(inside, key=lambda c: -float(logits[b, h, c]))[:count])
 
-    got = refine(query, candidates, window, 5)
+    got = refine(query, candidates, bounds, 5)
     assert got.shape == (3, 2, 5)
     for b in range(3):
         for h in range(2):
             assert _as_set(got[b, h]) == expected(b, h, 5)
             assert int((got[b, h] >= 0).sum()) == len(expected(b, h, 5))
     rows, heads = torch.tensor([2, 0]), torch.tensor([[1]])
-    got = refine(query, candidates[rows][:, 1:], window[rows], 6, rows=rows, heads=heads)
+    got = refine(query, candidates[rows][:, 1:], bounds[rows], 6, rows=rows, heads=heads)
     for i, b in enumerate(rows.tolist()):
         assert _as_set(got[i, 0]) == expected(b, 1, 6)
     out = torch.full((3, 2, 4), 99, dtype=torch.long)
     some = torch.tensor([[1], [0], [1]])  # per row, the head that refines its own entry
-    assert refine(query, candidates, window, 4, heads=some, out=out) is out
+    assert refine(query, candidates, bounds, 4, heads=some, out=out) is out
     for b in range(3):
         h = int(some[b, 0])
         assert _as_set(out[b, h]) == expected(b, h, 4) and bool((out[b, 1 - h] == 99).all())

@@ -8,7 +8,8 @@ from __future__ import annotations
 from .cache_write import write_kv_column, write_kv_column_torch
 from .candidate_keys import candidate_key_topk, candidate_key_topk_torch
 from .channel_statistic import channel_statistic, channel_statistic_torch
-from .critical_indices import NO_TOKEN, CriticalWindows, critical_indices, critical_indices_torch, with_critical
+from .critical_indices import (NO_TOKEN, CriticalWindows, critical_indices, critical_indices_torch, in_window,
+                               with_critical)
 from .heavy_topk import select_heavy, select_heavy_torch
 from .label_topk import candidate_label_topk, candidate_label_topk_torch, candidate_label_walk, \
     candidate_label_walk_torch, decode_label_topk, decode_label_topk_torch, decode_label_topk_walk, \
@@ -35,6 +36,7 @@ __all__ = [
     "PrefixKV",
     "critical_indices",
     "critical_indices_torch",
+    "in_window",
     "append_labels",
     "attention_with_lse",
     "attention_with_lse_torch",

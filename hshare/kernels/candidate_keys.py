@@ -20,7 +20,7 @@ from .selection_heads import refine_into
 
 
 def candidate_key_topk(query: torch.Tensor, keys: torch.Tensor, heavy: int, candidates: torch.Tensor,
-                       selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                       window: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                        heads: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                        critical: CriticalWindows | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Top-`heavy` of candidate columns by their exact logits.
@@ -30,15 +30,16 @@ def candidate_key_topk(query: torch.Tensor, keys: torch.Tensor, heavy: int, cand
         keys: ``[B, Hkv, n, d]`` one layer's keys (any strides with a unit stride on d); selection head s is KV
             head s (one selection a KV head), its logits summed over query heads ``[s g, (s + 1) g)``.
         heavy: columns kept; candidates: ``[A, H', C]`` candidate columns per (row, head), negative = none.
-        selectable: ``[A, n]`` bool, the columns a candidate must lie in (None = all).
+        window: ``[A, 2]`` integer, the column bounds of the row's window a candidate must lie in (as
+            `candidate_label_topk`'s; None = all).
         rows: ``[A]`` batch rows (None = all); heads: ``[A or 1, H']`` selection heads (None = all).
         out: ``[A, Hkv, heavy]`` int64: then `candidates` are every head's ``[A, Hkv, C]`` and each of the heads
             `heads` (required) refines its own and writes its entries of `out` in place.
         critical: as `candidate_label_topk`'s (the critical indices, written by the top-k's launch on CUDA).
 
     Returns:
-        ``[A, H', heavy]`` int64 (or `out`): the columns of the ``min(heavy, allowed)`` best allowed candidates (in a
-        selectable column, finite logit) in candidate order, then ``NO_TOKEN``; among equal logits the earlier
+        ``[A, H', heavy]`` int64 (or `out`): the columns of the ``min(heavy, allowed)`` best allowed candidates (in the
+        window, finite logit) in candidate order, then ``NO_TOKEN``; among equal logits the earlier
         candidates. CUDA (fp16, bf16, fp32 keys): two Triton launches up to the candidate top-k's ``MAX_CANDIDATES``
         (wider: the twin, with a RuntimeWarning); elsewhere the twin. With `critical`: ``(columns,
         critical.indices(columns))``.
@@ -53,23 +54,23 @@ def candidate_key_topk(query: torch.Tensor, keys: torch.Tensor, heavy: int, cand
             and _candidates_fit(candidates.shape[-1], False):
         from .candidate_keys_triton import candidate_key_topk_triton
 
-        return candidate_key_topk_triton(query, keys, heavy, candidates, selectable, rows, heads, out=out,
+        return candidate_key_topk_triton(query, keys, heavy, candidates, window, rows, heads, out=out,
                                          critical=critical)
     if out is not None:
         columns = refine_into(out, candidates, heads, lambda own: candidate_key_topk_torch(
-            query, keys, heavy, own, selectable, rows, heads))
+            query, keys, heavy, own, window, rows, heads))
     else:
-        columns = candidate_key_topk_torch(query, keys, heavy, candidates, selectable, rows, heads)
+        columns = candidate_key_topk_torch(query, keys, heavy, candidates, window, rows, heads)
     return with_critical(columns, critical)
 
 
 def candidate_key_topk_torch(query: torch.Tensor, keys: torch.Tensor, heavy: int, candidates: torch.Tensor,
-                             selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                             window: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                              heads: torch.Tensor | None = None) -> torch.Tensor:
     """The twin of `candidate_key_topk` (same contract, no `out`): the label refinement's twin over the keys as
     labels of every channel at full precision."""
     channels = every_channel(keys.shape[1], keys.shape[-1], keys.device)
-    return candidate_label_topk_torch(query, channels, keys, None, None, 16, heavy, candidates, selectable, rows,
+    return candidate_label_topk_torch(query, channels, keys, None, None, 16, heavy, candidates, window, rows,
                                       heads)
 
 

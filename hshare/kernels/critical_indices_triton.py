@@ -7,7 +7,7 @@ indices to it (one atomic add per program instead of a reduction kernel per laye
 
 `_write_critical_row` is that program's body: a kernel that computes heavy columns (the candidate
 refinement, `label_topk_triton._label_candidates`) writes its row-heads' critical rows with it, in its own
-launch (`critical_arguments`); where every column it picks lies in the middle window (its mask is that window), it
+launch (`critical_arguments`); where every column it picks lies in the middle window (its window is that one), it
 writes the heavy part itself, with the columns, and the body only the sink, the local window and a short row.
 """
 
@@ -22,7 +22,7 @@ from .dependent_launch import pdl_options, wait_for_previous_kernel
 
 @triton.jit
 def _write_critical_row(heavy_row, row, head, c_sink_ptr, c_local_ptr, c_dense_ptr, c_middle_ptr, c_short_ptr,
-                        c_out_ptr, c_count_ptr, c_n, c_sb, c_lb, c_db, c_mb, c_ob, c_oh,
+                        c_out_ptr, c_count_ptr, c_sb, c_lb, c_db, c_mb, c_ob, c_oh,
                         C_SINK: tl.constexpr, C_HEAVY: tl.constexpr, C_LOCAL: tl.constexpr, C_SINK_P: tl.constexpr,
                         C_HEAVY_P: tl.constexpr, C_LOCAL_P: tl.constexpr, C_COUNT: tl.constexpr, written=0,
                         HEAVY_WRITTEN: tl.constexpr = False):
@@ -52,9 +52,9 @@ def _write_critical_row(heavy_row, row, head, c_sink_ptr, c_local_ptr, c_dense_p
         heavy_valid = tl.where(short, tl.sum((k_ok & (heavy >= 0)).to(tl.int64), 0), written.to(tl.int64))
     else:
         heavy = tl.load(heavy_row + k, mask=k_ok, other=-1).to(tl.int64)
-        in_range = (heavy >= 0) & (heavy < c_n)
-        still = tl.load(c_middle_ptr + row * c_mb + tl.where(in_range, heavy, 0), mask=k_ok & in_range, other=0) != 0
-        heavy = tl.where(still, heavy, -1)
+        start = tl.load(c_middle_ptr + row * c_mb)
+        end = tl.load(c_middle_ptr + row * c_mb + 1)
+        heavy = tl.where((heavy >= 0) & (heavy >= start) & (heavy < end), heavy, -1)
         heavy = tl.where(short, tl.load(dense + C_SINK + k, mask=k_ok, other=-1), heavy)
         tl.store(out + C_SINK + k, heavy.to(tl.int32), mask=k_ok)
         heavy_valid = tl.sum((k_ok & (heavy >= 0)).to(tl.int64), 0)
@@ -73,7 +73,7 @@ def _write_critical_row(heavy_row, row, head, c_sink_ptr, c_local_ptr, c_dense_p
 @triton.jit
 def _critical_indices(
     heavy_ptr, s_hb, s_hh,
-    c_sink_ptr, c_local_ptr, c_dense_ptr, c_middle_ptr, c_short_ptr, c_out_ptr, c_count_ptr, c_n,
+    c_sink_ptr, c_local_ptr, c_dense_ptr, c_middle_ptr, c_short_ptr, c_out_ptr, c_count_ptr,
     c_sb, c_lb, c_db, c_mb, c_ob, c_oh,
     HEADS: tl.constexpr, C_SINK: tl.constexpr, C_HEAVY: tl.constexpr, C_LOCAL: tl.constexpr,
     C_SINK_P: tl.constexpr, C_HEAVY_P: tl.constexpr, C_LOCAL_P: tl.constexpr, C_COUNT: tl.constexpr,
@@ -84,7 +84,7 @@ def _critical_indices(
     row = (pid // HEADS).to(tl.int64)
     head = pid % HEADS
     _write_critical_row(heavy_ptr + row * s_hb + head * s_hh, row, head, c_sink_ptr, c_local_ptr, c_dense_ptr,
-                        c_middle_ptr, c_short_ptr, c_out_ptr, c_count_ptr, c_n, c_sb, c_lb, c_db, c_mb, c_ob, c_oh,
+                        c_middle_ptr, c_short_ptr, c_out_ptr, c_count_ptr, c_sb, c_lb, c_db, c_mb, c_ob, c_oh,
                         C_SINK, C_HEAVY, C_LOCAL, C_SINK_P, C_HEAVY_P, C_LOCAL_P, C_COUNT)
 
 
@@ -97,10 +97,10 @@ def critical_arguments(windows: CriticalWindows, heads: int, heavy: int) -> tupl
     # rows may be strided (the windows' slices of one buffer); each row's entries must be adjacent
     sink, local, dense, middle, short = (t if t.stride(-1) == 1 else t.contiguous()
                                          for t in (sink, local, dense, middle, short))
-    middle, short = (t.view(torch.uint8) if t.dtype == torch.bool else t for t in (middle, short))
+    short = short.view(torch.uint8) if short.dtype == torch.bool else short
     return out, dict(
         c_sink_ptr=sink, c_local_ptr=local, c_dense_ptr=dense, c_middle_ptr=middle, c_short_ptr=short, c_out_ptr=out,
-        c_count_ptr=out if count is None else count, c_n=middle.shape[1], c_sb=sink.stride(0), c_lb=local.stride(0),
+        c_count_ptr=out if count is None else count, c_sb=sink.stride(0), c_lb=local.stride(0),
         c_db=dense.stride(0), c_mb=middle.stride(0), c_ob=out.stride(0), c_oh=out.stride(1),
         C_SINK=n_sink, C_HEAVY=heavy, C_LOCAL=n_local, C_SINK_P=max(1, triton.next_power_of_2(n_sink)),
         C_HEAVY_P=max(1, triton.next_power_of_2(heavy)), C_LOCAL_P=max(1, triton.next_power_of_2(n_local)),
@@ -110,7 +110,7 @@ def critical_arguments(windows: CriticalWindows, heads: int, heavy: int) -> tupl
 def no_critical(placeholder: torch.Tensor) -> dict:
     """The ``c_`` operands of a launch that writes no critical rows (never read)."""
     return dict(c_sink_ptr=placeholder, c_local_ptr=placeholder, c_dense_ptr=placeholder, c_middle_ptr=placeholder,
-                c_short_ptr=placeholder, c_out_ptr=placeholder, c_count_ptr=placeholder, c_n=0, c_sb=0, c_lb=0,
+                c_short_ptr=placeholder, c_out_ptr=placeholder, c_count_ptr=placeholder, c_sb=0, c_lb=0,
                 c_db=0, c_mb=0, c_ob=0, c_oh=0, C_SINK=1, C_HEAVY=1, C_LOCAL=1, C_SINK_P=1, C_HEAVY_P=1, C_LOCAL_P=1,
                 C_COUNT=False)
 

@@ -30,8 +30,9 @@ tensor), everything else (the CPU path, the test oracle, fp64) to the twins `lab
 `select_heavy_columns_torch`.
 
 `candidate_label_topk` (candidate-set refinement) is the same selection over a given list of candidate
-columns per (row, head) instead of every column: its "window" is the candidates in `selectable`, its
-columns come in candidate order (ascending when the candidates are), ties go to the earlier candidate.
+columns per (row, head) instead of every column: its "window" is the candidates inside their row's column bounds
+(`critical_indices.in_window`: candidates are valid columns, which lie in a window where they lie in its bounds),
+its columns come in candidate order (ascending when the candidates are), ties go to the earlier candidate.
 CUDA: `label_topk_triton.candidate_label_topk_triton`, a program per (row, head) holding its candidates' keys
 (one launch; at few row-heads two, the scoring spread over the SMs first); the twin `candidate_label_topk_torch`
 scores the candidates (`labels.candidate_label_scores`).
@@ -50,7 +51,7 @@ import warnings
 
 import torch
 
-from .critical_indices import NO_TOKEN, CriticalWindows, check_critical_refinement, with_critical
+from .critical_indices import NO_TOKEN, CriticalWindows, check_critical_refinement, check_window, in_window, with_critical
 from .dispatch import use_triton
 from .labels import candidate_label_scores, decode_query_labels, score_heads_torch
 from .selection_heads import columns_into, refine_into, walk_into
@@ -111,15 +112,17 @@ def decode_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: torch.
 
 def candidate_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                          zero: torch.Tensor | None, bits: int, heavy: int, candidates: torch.Tensor,
-                         selectable: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                         window: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                          heads: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                          critical: CriticalWindows | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Top-`heavy` of candidate columns by the decode query's label scores (candidate-set refinement).
 
     Args:
         query, channels, codes, scale, zero, bits, heavy, rows, heads: as `decode_label_topk`.
-        candidates: ``[A, H', C]`` candidate columns per (row, head); a negative entry is no candidate.
-        selectable: ``[A, n]`` bool, the columns a candidate must lie in (None = all).
+        candidates: ``[A, H', C]`` candidate columns per (row, head), valid columns (a selection's); a negative entry
+            is no candidate.
+        window: ``[A, 2]`` integer, the column bounds ``[start, end)`` of the row's window a candidate must lie in
+            (`RowWindows.middle_bounds`; None = all).
         out: ``[A, H_sel, heavy]`` int64: then `candidates` are every selection head's ``[A, H_sel, C]``, and
             each of the heads `heads` (required) refines its own and writes its entries of `out` in place.
         critical: the step's windows (`CriticalWindows`) where the refinement covers every row and selection head:
@@ -127,7 +130,7 @@ def candidate_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: tor
 
     Returns:
         ``[A, H', heavy]`` int64 (or `out`): the columns of the ``min(heavy, allowed)`` best-scored allowed
-        candidates (in a selectable column, finite score) in candidate order, then ``NO_TOKEN``; among equal
+        candidates (in the window, finite score) in candidate order, then ``NO_TOKEN``; among equal
         scores at the heavy-th the earlier candidates are chosen. Only the candidates' label rows are read (CUDA:
         `label_topk_triton.candidate_label_topk_triton`, up to its ``MAX_CANDIDATES``; wider: the twin, with a
         RuntimeWarning). With `critical`: ``(columns, critical.indices(columns))``.
@@ -140,24 +143,25 @@ def candidate_label_topk(query: torch.Tensor, channels: torch.Tensor, codes: tor
         from .label_topk_triton import candidate_label_topk_triton
 
         return candidate_label_topk_triton(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads,
-                                           selectable, out=out, critical=critical)
+                                           window, out=out, critical=critical)
     if out is not None:
         columns = refine_into(out, candidates, heads, lambda own: candidate_label_topk_torch(
-            query, channels, codes, scale, zero, bits, heavy, own, selectable, rows, heads))
+            query, channels, codes, scale, zero, bits, heavy, own, window, rows, heads))
     else:
-        columns = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, selectable,
+        columns = candidate_label_topk_torch(query, channels, codes, scale, zero, bits, heavy, candidates, window,
                                              rows, heads)
     return with_critical(columns, critical)
 
 
 def candidate_label_topk_torch(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
                                scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int, heavy: int,
-                               candidates: torch.Tensor, selectable: torch.Tensor | None = None,
+                               candidates: torch.Tensor, window: torch.Tensor | None = None,
                                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
     """The twin of `candidate_label_topk` (same contract): the candidates' scores (`labels.candidate_label_scores`),
     then `select_heavy_columns_torch` over candidate positions."""
+    check_window(window, candidates.shape[0])
     scores = candidate_label_scores(query, channels, codes, scale, zero, bits, candidates, rows, heads)
-    allowed = _in_window(candidates, selectable)
+    allowed = in_window(candidates, window)
     position = select_heavy_columns_torch(scores, allowed, heavy)  # ascending positions, then NO_TOKEN
     return torch.where(position >= 0, candidates.gather(-1, position.clamp(min=0)), torch.full_like(position, NO_TOKEN))
 
@@ -249,7 +253,7 @@ def candidate_label_walk_torch(query: torch.Tensor, channels: torch.Tensor, code
     """The twin of `candidate_label_walk` (same contract): the candidates' scores (`labels.candidate_label_scores`),
     then `successors.with_successors_torch` of the allowed ones."""
     scores = candidate_label_scores(query, channels, codes, scale, zero, bits, candidates, rows, heads)
-    allowed = _in_window(candidates, selectable) & torch.isfinite(scores)
+    allowed = _in_mask(candidates, selectable) & torch.isfinite(scores)
     return with_successors_torch(torch.where(allowed, candidates, torch.full_like(candidates, NO_TOKEN)), scores,
                                  selectable, top)
 
@@ -341,7 +345,7 @@ def _runs_triton(tensor: torch.Tensor, codes: torch.Tensor, bits: int, heavy: in
             and codes.shape[2] > 0 and laid_out and (bits != 4 or channels % 2 == 0))
 
 
-def _in_window(candidates: torch.Tensor, selectable: torch.Tensor | None) -> torch.Tensor:
+def _in_mask(candidates: torch.Tensor, selectable: torch.Tensor | None) -> torch.Tensor:
     """``[A, H', C]`` bool: the candidates that are columns (not negative) of the window ``[A, n]`` (None = all)."""
     allowed = candidates >= 0
     if selectable is None:

@@ -50,7 +50,9 @@ The candidate kernels (refinement, `SharingConfig.candidates`) take a list of C 
 them (`_candidate_tail`). It scores them itself, or, where a program a row-head would leave half the SMs idle
 (`split_scoring`: the top-k at B4 x 8 KV heads), reads them from a scratch row that `_label_candidate_scores`
 wrote in a launch before it, `SCORE_TILE` candidates a program (the gathers of the label rows spread over the
-SMs; the scratch is 4 bytes a slot, written and read once).
+SMs; the scratch is 4 bytes a slot, written and read once). A top-k's candidates lie in their row's window where
+they lie in its column bounds (`critical_indices.in_window`): two scalars a program, no mask byte a candidate; a
+walk's successors are tested on the mask.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from .key_search_triton import (COLUMNS32, SENTINEL, _exact_threshold, _fill_emp
 from .gather_attention_triton import num_sms
 from .labels_triton import _label_scores, kernel_label_inputs
 from .successors_triton import COLUMN_BITS, _walk
-from .critical_indices import NO_TOKEN, CriticalWindows
+from .critical_indices import NO_TOKEN, CriticalWindows, check_window
 from .critical_indices_triton import _write_critical_row, critical_arguments, no_critical
 from .dependent_launch import pdl_options, wait_for_previous_kernel
 from .selection_heads import column_buffer
@@ -346,29 +348,30 @@ def _spread_row(entries, head, slot_row, slot, width, s_oh, H_SEL: tl.constexpr,
 
 @triton.jit
 def _label_candidates(
-    query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, out_ptr,
-    best_ptr, scratch_ptr, slot_ptr, s_slot, n, heavy, candidates, top,
+    query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr, mask_ptr, cand_ptr,
+    out_ptr, best_ptr, scratch_ptr, slot_ptr, s_slot, n, heavy, candidates, top,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh, s_oa, s_oh,
-    c_sink_ptr, c_local_ptr, c_dense_ptr, c_middle_ptr, c_short_ptr, c_out_ptr, c_count_ptr, c_n,
+    c_sink_ptr, c_local_ptr, c_dense_ptr, c_middle_ptr, c_short_ptr, c_out_ptr, c_count_ptr,
     c_sb, c_lb, c_db, c_mb, c_ob, c_oh,
     HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
     BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr,
-    HAS_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
     C_PAD: tl.constexpr, TILE: tl.constexpr, WALK: tl.constexpr, ASCENDING: tl.constexpr, BY_HEAD: tl.constexpr,
     C_SINK: tl.constexpr, C_HEAVY: tl.constexpr, C_LOCAL: tl.constexpr, C_SINK_P: tl.constexpr,
     C_HEAVY_P: tl.constexpr, C_LOCAL_P: tl.constexpr, C_COUNT: tl.constexpr, CRITICAL: tl.constexpr,
     SCORED: tl.constexpr = False, SPREAD: tl.constexpr = False, H_SEL: tl.constexpr = 1,
     CRITICAL_DIRECT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """Program (row-head pid): the row-head's candidates' keys (a negative column, one outside the mask or
-    scored non-finite has none), then its top `heavy` columns in candidate order, or (WALK, with the mask:
-    the window) all of them walked with their successors, and their best `top` (`successors_triton._walk`;
+    """Program (row-head pid): the row-head's candidates' keys (a negative column, one outside the row's window
+    ``[start, end)`` at `window_ptr` or the mask, or scored non-finite has none), then its top `heavy` columns in
+    candidate order, or (WALK, with the mask: the window) all of them walked with their successors, and their best
+    `top` (`successors_triton._walk`;
     `heavy` = candidates; ASCENDING: the candidates are ascending, then negative, so not sorted into column
     order). BY_HEAD: the candidates and the output are every selection head's, and the program reads and writes
     its own head's entry (else its position among the row's heads). SCORED: the keys are the row-head's row of
     the scratch ``[A * H', C_PAD]`` int32 (`_label_candidate_scores`, or `candidate_keys_triton`'s), not scored
     here. CRITICAL (the top-k of every row, not ROWS_INDEXED): then also the row-head's critical indices from the
-    columns it wrote (`critical_indices_triton._write_critical_row`, the ``c_`` operands); CRITICAL_DIRECT (the mask
+    columns it wrote (`critical_indices_triton._write_critical_row`, the ``c_`` operands); CRITICAL_DIRECT (the window
     is the critical indices' middle window, so every chosen column is in it): their heavy part written with the
     columns, from registers, not read back. SPREAD (a walk of candidates read by position, HEADS_INDEXED): the output
     ``[A, H_SEL, C]`` and the best ``[A, H_SEL, top]`` (contiguous) are every selection head's; the program writes
@@ -383,8 +386,9 @@ def _label_candidates(
     if SCORED:
         key = tl.load(scratch_ptr + pid.to(tl.int64) * C_PAD + slots, mask=slots < candidates, other=-2147483648)
     else:
+        start, end = _window(window_ptr, i, n, HAS_WINDOW)
         key = _chunk_keys(query_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
-                          pid, i, row, head, cols, tl.zeros((), tl.int32), tl.zeros((), tl.int32) + n,
+                          pid, i, row, head, cols, start, end,
                           s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_mb,
                           R, R_PAD, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
     if SPREAD:
@@ -403,30 +407,32 @@ def _label_candidates(
     if CRITICAL:
         tl.debug_barrier()  # the row's columns, written by any of the program's threads, read back by all
         _write_critical_row(out_row, row, entry, c_sink_ptr, c_local_ptr, c_dense_ptr, c_middle_ptr, c_short_ptr,
-                            c_out_ptr, c_count_ptr, c_n, c_sb, c_lb, c_db, c_mb, c_ob, c_oh, C_SINK, C_HEAVY, C_LOCAL,
+                            c_out_ptr, c_count_ptr, c_sb, c_lb, c_db, c_mb, c_ob, c_oh, C_SINK, C_HEAVY, C_LOCAL,
                             C_SINK_P, C_HEAVY_P, C_LOCAL_P, C_COUNT, taken, CRITICAL_DIRECT)
 
 
 @triton.jit
 def _label_candidate_scores(
-    query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, mask_ptr, cand_ptr, scratch_ptr,
-    n, candidates,
+    query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, rows_ptr, heads_ptr, window_ptr, mask_ptr, cand_ptr,
+    scratch_ptr, n, candidates,
     s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_hb, s_mb, s_ka, s_kh,
     HEADS: tl.constexpr, ROWS_INDEXED: tl.constexpr, HEADS_INDEXED: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
     BITS: tl.constexpr, LOAD_BYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW_CHANNELS: tl.constexpr,
-    HAS_MASK: tl.constexpr, C_PAD: tl.constexpr, SCORE_TILE_: tl.constexpr, BY_HEAD: tl.constexpr,
-    PDL: tl.constexpr = False,
+    HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, C_PAD: tl.constexpr, SCORE_TILE_: tl.constexpr,
+    BY_HEAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (row-head pid, tile): the keys of its tile of `SCORE_TILE_` candidates into the row-head's row of the
-    scratch ``[A * H', C_PAD]`` int32 (INT32_MIN: a negative column, one outside the mask or scored non-finite);
+    scratch ``[A * H', C_PAD]`` int32 (INT32_MIN: a negative column, one outside the window or the mask or scored
+    non-finite);
     `_label_candidates` with SCORED then takes each row-head's top `heavy` or walk from them."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     slots = tl.program_id(1) * SCORE_TILE_ + tl.arange(0, SCORE_TILE_)
     i, row, head, _, cols = _candidate_columns(rows_ptr, heads_ptr, cand_ptr, pid, slots, candidates, s_hb, s_ka, s_kh,
                                                HEADS, ROWS_INDEXED, HEADS_INDEXED, BY_HEAD)
+    start, end = _window(window_ptr, i, n, HAS_WINDOW)
     key = _chunk_keys(query_ptr, query_ptr, channels_ptr, codes_ptr, scale_ptr, zero_ptr, mask_ptr,
-                      pid, i, row, head, cols, tl.zeros((), tl.int32), tl.zeros((), tl.int32) + n,
+                      pid, i, row, head, cols, start, end,
                       s_qb, s_qh, s_chp, s_chh, s_cb, s_ch, s_cn, s_cw, s_sb, s_sh, s_zb, s_zh, s_mb,
                       R, R_PAD, BITS, LOAD_BYTES, GROUP, PER_ROW_CHANNELS, True, HAS_MASK)
     tl.store(scratch_ptr + pid.to(tl.int64) * C_PAD + slots, key, mask=slots < candidates)
@@ -617,6 +623,15 @@ def index_operands(rows: torch.Tensor | None, heads: torch.Tensor | None, select
             0 if mask is None else mask.stride(0), flags)
 
 
+def window_operand(window: torch.Tensor | None, count: int, placeholder: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A launch's row windows ``[A, 2]`` (column bounds ``[start, end)``, checked), laid out for `_window`: ``(window
+    or `placeholder`, whether given)``."""
+    check_window(window, count)
+    if window is None:
+        return placeholder, False
+    return (window if window.is_contiguous() else window.contiguous()), True
+
+
 def _operands(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
               zero: torch.Tensor | None, bits: int, r: int, rows: torch.Tensor | None, heads: torch.Tensor | None,
               selectable: torch.Tensor | None, count: int) -> tuple:
@@ -640,7 +655,7 @@ def _operands(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor, 
 def candidate_label_topk_triton(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor,
                                 scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int, heavy: int,
                                 candidates: torch.Tensor, rows: torch.Tensor | None, heads: torch.Tensor | None,
-                                selectable: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                                window: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                                 tile: int | None = None, num_warps: int | None = None,
                                 max_registers: int | None = None, score_tile: int | None = None,
                                 critical: CriticalWindows | None = None
@@ -654,8 +669,8 @@ def candidate_label_topk_triton(query: torch.Tensor, channels: torch.Tensor, cod
     `tile`, `num_warps`, `max_registers` (a thread's register cap; 0: none) and `score_tile` (0: no scoring launch)
     override the launches (tests, benchmark sweeps)."""
     columns, _, indices = _candidates(query, channels, codes, scale, zero, bits, heavy, candidates, rows, heads,
-                                      selectable, False, tile, num_warps, out=out, max_registers=max_registers,
-                                      score_tile=score_tile, critical=critical)
+                                      None, False, tile, num_warps, out=out, max_registers=max_registers,
+                                      score_tile=score_tile, critical=critical, window=window)
     return columns if critical is None else (columns, indices)
 
 
@@ -775,8 +790,8 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
                 num_warps: int | None, ascending: bool = False, top: int = 0, out: torch.Tensor | None = None,
                 max_registers: int | None = None, score_tile: int | None = None, keys: torch.Tensor | None = None,
                 critical: CriticalWindows | None = None, head_slot: torch.Tensor | None = None,
-                walk_out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                walk_out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+                window: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A launch of `_label_candidates` (after one of `_label_candidate_scores` where the scoring is split:
     `score_tile` candidates a scoring program; None: `SCORE_TILE` where `split_scoring` says so, else 0, scored
     in the top-k's program; given the candidates' `keys` ``[A * H', C_PAD]``, none): ``[A, H', heavy]`` int64 (or,
@@ -785,7 +800,8 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     ``[A, H, N_c]`` int32 of the columns (every row and head: `label_topk.candidate_label_topk` checks it). A walk
     of source heads `heads` with their `head_slot` ``[P, H_sel]`` (`selection_heads.per_head`) returns every
     selection head's walk and best ``[A, H_sel, ...]``, written by the walk's programs (SPREAD). A walk writes its
-    two results into `walk_out` where given contiguous int64 tensors of their shapes."""
+    two results into `walk_out` where given contiguous int64 tensors of their shapes. The candidates' window: the
+    top-k's, column bounds `window` ``[A, 2]``; the walk's, the mask `selectable` ``[A, n]`` (its successors')."""
     count, width = candidates.shape[0], candidates.shape[-1]
     by_head = out is not None
     if head_slot is not None and (not walk or heads is None or by_head):
@@ -812,6 +828,7 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     _, query, channels, r, group, _ = kernel_label_inputs(None, query, channels)
     code_bytes, scale_t, zero_t, rows, heads, mask_t, load_bytes, strides, flags = _operands(
         query, channels, codes, scale, zero, bits, r, rows, heads, selectable, count)
+    window_t, has_window = window_operand(window, count, codes)
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
     programs = count * n_heads
     pad = candidate_slots(width)
@@ -819,7 +836,8 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
         score_tile = SCORE_TILE if codes.is_cuda and split_scoring(programs, num_sms(codes.device), walk) else 0
     score_tile = min(score_tile, pad)
     labels = dict(HEADS=n_heads, R=r, R_PAD=triton.next_power_of_2(r), BITS=bits, LOAD_BYTES=load_bytes,
-                  GROUP=group, **flags, PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_MASK=selectable is not None,
+                  GROUP=group, **flags, PER_ROW_CHANNELS=channels.shape[0] > 1, HAS_WINDOW=has_window,
+                  HAS_MASK=selectable is not None,
                   C_PAD=pad, BY_HEAD=by_head)
     scratch = out  # a placeholder the top-k never reads, unless scored apart
     if keys is not None:  # scored already
@@ -829,7 +847,8 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     elif score_tile:
         scratch = torch.empty(programs, pad, dtype=torch.int32, device=codes.device)
         _label_candidate_scores[(programs, triton.cdiv(width, score_tile))](
-            query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, scratch, codes.shape[2],
+            query, channels, code_bytes, scale_t, zero_t, rows, heads, window_t, mask_t, candidates, scratch,
+            codes.shape[2],
             width, *strides, candidates.stride(0), candidates.stride(1), SCORE_TILE_=score_tile,
             **labels, num_warps=4, **pdl_options(codes.device),
         )
@@ -844,13 +863,14 @@ def _candidates(query: torch.Tensor, channels: torch.Tensor, codes: torch.Tensor
     slots = out if head_slot is None else head_slot.expand(count, -1)
     slots = slots if slots.stride(-1) == 1 else slots.contiguous()
     _label_candidates[(programs,)](
-        query, channels, code_bytes, scale_t, zero_t, rows, heads, mask_t, candidates, out, best, scratch, slots,
+        query, channels, code_bytes, scale_t, zero_t, rows, heads, window_t, mask_t, candidates, out, best, scratch,
+        slots,
         0 if head_slot is None else slots.stride(0), codes.shape[2], heavy, width, top, *strides,
         candidates.stride(0), candidates.stride(1), out.stride(0), out.stride(1), **writes, **labels,
         TILE=tile or TAIL_TILE, WALK=walk, ASCENDING=ascending, CRITICAL=critical is not None,
         SCORED=bool(score_tile) or keys is not None, SPREAD=head_slot is not None,
         H_SEL=1 if head_slot is None else head_slot.shape[-1], CRITICAL_DIRECT=critical is not None and not walk
-        and _same_view(selectable, critical.middle), num_warps=num_warps or warps, **options,
+        and _same_view(window, critical.middle), num_warps=num_warps or warps, **options,
         **pdl_options(codes.device),
     )
     return out, best, indices
@@ -870,10 +890,11 @@ def top_scored(scratch: torch.Tensor, candidates: torch.Tensor, out: torch.Tenso
     strides = [0] * 14
     strides[12] = s_hb  # the heads' row stride (the label operands' strides: never read)
     _label_candidates[(scratch.shape[0],)](
-        scratch, scratch, scratch, scratch, scratch, scratch, heads, scratch, candidates, out, out, scratch, scratch,
+        scratch, scratch, scratch, scratch, scratch, scratch, heads, scratch, scratch, candidates, out, out, scratch,
+        scratch,
         0, 0, heavy, candidates.shape[-1], 0, *strides, candidates.stride(0), candidates.stride(1), out.stride(0),
         out.stride(1), **writes, HEADS=n_heads, ROWS_INDEXED=False, HEADS_INDEXED=heads_indexed, R=2, R_PAD=2,
-        BITS=4, LOAD_BYTES=1, GROUP=1, PER_ROW_CHANNELS=False, HAS_MASK=False, C_PAD=pad, TILE=min(TAIL_TILE, pad),
+        BITS=4, LOAD_BYTES=1, GROUP=1, PER_ROW_CHANNELS=False, HAS_WINDOW=False, HAS_MASK=False, C_PAD=pad, TILE=min(TAIL_TILE, pad),
         WALK=False, ASCENDING=False, BY_HEAD=by_head, CRITICAL=critical is not None, SCORED=True,
         num_warps=max(4, min(16, pad // 512)), **pdl_options(scratch.device),
     )
@@ -920,9 +941,8 @@ def label_topk_triton(query_labels: torch.Tensor | None, codes: torch.Tensor, sc
         labels = query = channels = labels.reshape(count * n_heads, r)
     code_bytes, scale_t, zero_t, rows, heads, mask_t, load_bytes, strides, flags = _operands(
         query, channels, codes, scale, zero, bits, r, rows, heads, selectable, count)
-    has_window, has_mask = window is not None, selectable is not None
-    window_t = window if not has_window or window.is_contiguous() else window.contiguous()
-    window_t = window_t if has_window else rows
+    window_t, has_window = window_operand(window, count, rows)
+    has_mask = selectable is not None
     size = chunk or chunk_size(n, bits)
     chunks = triton.cdiv(n, size)
     tile = tile or tail_tile(heavy, chunks)
