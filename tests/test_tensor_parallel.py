@@ -3,10 +3,13 @@
 
 Each rank's attention receives its own heads (4 of 8 query heads, 2 of 4 KV heads here); the
 cache, labels, selections and the head-sharing plan are sized from those tensors (`hshare.heads`).
-Against the same preset in one process: exact presets give the same tokens (float32); sparse
-presets give the same tokens where each rank's plan is the one-process plan restricted to its
-heads (always for ``ds``: no sharing), and otherwise keep the sparse invariants (same schedule,
-layer plan identical on every rank, counters consistent); their agreement is recorded.
+Against the same preset in one process: exact presets give the same tokens; sparse presets give the
+same tokens where each rank's plan is the one-process plan restricted to its heads (always for
+``ds``: no sharing), and otherwise keep the sparse invariants (same schedule, layer plan identical on
+every rank, counters consistent); their agreement is recorded. On CPU the model runs in float64: a
+rank's slice of the projections rounds the keys and queries differently, and in float32 that moves a
+16-bit label across a rounding boundary often enough to flip a near tie at the heavy-th score (the
+logits then differ by a selection, not by a sharding error); on GPUs float32, the kernels' dtype.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ Q_HEADS, KV_HEADS, LAYERS = 8, 4, 4
 SMALL = dict(sink=2, local=4, heavy=6, dense_fallback_mib=0, label_bits=16)
 WIDE = dict(sink=2, local=4, heavy=400)  # N_c above every context: exact
 ON_GPUS = torch.cuda.device_count() >= RANKS  # transformers picks NCCL on GPUs, gloo on CPU
+DTYPE = "float32" if ON_GPUS else "float64"
 NEW_TOKENS = 8
 # name: (preset, overrides, batch, exact)
 CASES = {
@@ -85,6 +89,7 @@ def make_spec(root: Path, seed: int) -> dict:
         "batches": {"padded": dict(zip(("ids", "mask"), padded)), "prefixed": dict(zip(("ids", "mask"), prefixed))},
         "cases": cases,
         "new_tokens": NEW_TOKENS,
+        "dtype": DTYPE,
     }
 
 
@@ -127,7 +132,7 @@ def runs(tmp_path_factory):
     seed = int(os.environ.get("HSHARE_TP_SEED", 0)) or int.from_bytes(os.urandom(4), "little")
     root = tmp_path_factory.mktemp("tp")
     spec = make_spec(root, seed)
-    model = LlamaForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec["dtype"])).eval()
     single = run_cases(model.to("cuda:0" if ON_GPUS else "cpu"), spec)
     return seed, single, run_tensor_parallel(root, spec)
 

@@ -54,7 +54,8 @@ def main(spec_path: str, out_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     spec = torch.load(spec_path)
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], tp_plan="auto", dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], tp_plan="auto",
+                                                 dtype=getattr(torch, spec["dtype"])).eval()
     results = run_cases(model, spec)
     rank = torch.distributed.get_rank()
     torch.save({"world": torch.distributed.get_world_size(), "cases": results}, os.path.join(out_dir, f"rank{rank}.pt"))
