@@ -172,9 +172,9 @@ class SelectionPolicy(ABC):
         taken, and ``[B', H', top]`` the best `top` of them, both ascending (`kernels.with_successors`).
         With `head_slot` ``[P, H_sel]`` (each selection head's slot among the source heads `heads`): every
         selection head's ``[B', H_sel, ...]``, each its source's (`per_head`); written into `out` ``(taken, best)``
-        where its tensors fit (`selection_heads.walk_into`). Ranking them scores them again (`candidate_scores`: `heavy` units) where the policy scores
-        candidates alone; otherwise one score tensor serves both. A policy whose kernels write every head's
-        entries overrides it."""
+        where its tensors fit (`selection_heads.walk_into`). Ranking them scores them again (`candidate_scores`:
+        `heavy` units) where the policy scores candidates alone; otherwise one score tensor serves both. A policy
+        whose kernels write every head's entries overrides it."""
         if self.scores_candidates:
             best = self.decode_heavy(query, selectable, heavy, rows, heads)
             taken, best = with_successors(best, self.candidate_scores(query, best, rows, heads), selectable, top)

@@ -345,12 +345,11 @@ def _runs_triton(tensor: torch.Tensor, codes: torch.Tensor, bits: int, heavy: in
             and codes.shape[2] > 0 and laid_out and (bits != 4 or channels % 2 == 0))
 
 
-def _in_mask(candidates: torch.Tensor, selectable: torch.Tensor | None) -> torch.Tensor:
-    """``[A, H', C]`` bool: the candidates that are columns (not negative) of the window ``[A, n]`` (None = all)."""
-    allowed = candidates >= 0
-    if selectable is None:
-        return allowed
-    return allowed & selectable[:, None].expand(-1, candidates.shape[1], -1).gather(-1, candidates.clamp(min=0)).bool()
+def _in_mask(candidates: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor:
+    """``[A, H', C]`` bool: the candidates that are columns (not negative) of the mask ``[A, n]`` (a walk's window:
+    its successors are tested on it too)."""
+    inside = selectable[:, None].expand(-1, candidates.shape[1], -1).gather(-1, candidates.clamp(min=0))
+    return (candidates >= 0) & inside.bool()
 
 
 def _candidates_fit(width: int, walk: bool) -> bool:
